@@ -1,0 +1,337 @@
+"""The Llama-family forward pass over a paged KV cache.
+
+One :meth:`Transformer.forward` call runs a whole step: every sequence contributes a chunk of
+new tokens (a whole prompt, a prefill chunk, or one decode token) at its own position. The
+tokens of all chunks are concatenated into one flat batch for the linear layers (the bulk of
+the work); only attention looks at sequences one by one, and even there every single-token
+(decode) chunk of the step is attended in one batched call.
+
+KV layout, per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``. A token at
+position ``p`` of a sequence with block table ``bt`` lives in slot
+``bt[p // block_size] * block_size + p % block_size`` of the flattened ``[slots, kv, dim]``
+view, which is where :class:`StepInputs.slot_mapping` points.
+
+Projections are fused (q/k/v into one matrix, gate/up into one) so a step makes few, large
+matrix products; :class:`Linear` is the single place a quantized kernel plugs in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model_config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """Tensors of one step, built by the runner from a :class:`~furnace_trio.plan.StepPlan`.
+
+    Flat token dimension ``T`` (all chunks concatenated), sequence dimension ``B``.
+
+    - ``input_ids``, ``positions``, ``slot_mapping``: ``[T]`` int64.
+    - ``query_starts``: offsets of each chunk in the flat batch (python ints, ``B + 1``).
+    - ``context_lens``: tokens of each sequence in the cache after this step (``B``).
+    - ``block_tables``: ``[B, max_blocks]`` int64, padded with block 0 (masked out).
+    - ``decode_rows``: indices of the sequences whose chunk is a single token; their
+      attention runs in one batched call (``decode_index`` is the same as a tensor).
+    - ``logit_rows``: flat token indices whose next-token logits are wanted.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_starts: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    block_tables: torch.Tensor
+    decode_rows: tuple[int, ...]
+    decode_index: torch.Tensor
+    decode_context_lens: torch.Tensor
+    logit_rows: torch.Tensor
+
+
+class KVCache:
+    """Preallocated paged key/value storage for every layer, written in place."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+
+    def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer (copy-on-write after a fork)."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.k.device)
+        dst = torch.tensor([d for _, d in copies], device=self.k.device)
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T (+ b)`` with the weight stored as given (``[out, in]``).
+
+    The seam for faster kernels: a quantized replacement keeps this call signature.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as Hugging Face's Llama does."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama 3 scaling when the config asks for it."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq.float()
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled).float()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        names = [f"{prefix}.self_attn.{p}_proj" for p in ("q", "k", "v")]
+        qkv = torch.cat([weights.pop(f"{n}.weight") for n in names])
+        bias = None
+        if config.attention_bias:
+            bias = torch.cat([weights.pop(f"{n}.bias") for n in names])
+        self.qkv_proj = Linear(qkv, bias)
+        self.o_proj = Linear(weights.pop(f"{prefix}.self_attn.o_proj.weight"))
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            eps = config.rms_norm_eps
+            self.q_norm = RMSNorm(weights.pop(f"{prefix}.self_attn.q_norm.weight"), eps)
+            self.k_norm = RMSNorm(weights.pop(f"{prefix}.self_attn.k_norm.weight"), eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        inputs: StepInputs,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+
+        block_size = k_cache.shape[1]
+        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_flat.index_copy_(0, inputs.slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, inputs.slot_mapping, v.to(v_flat.dtype))
+
+        out = torch.empty_like(q)
+        if inputs.decode_rows:
+            self._attend_decodes(q, out, k_cache, v_cache, inputs)
+        decode_set = set(inputs.decode_rows)
+        starts = inputs.query_starts
+        for b, ctx in enumerate(inputs.context_lens):
+            if b in decode_set:
+                continue
+            lo, hi = starts[b], starts[b + 1]
+            qlen = hi - lo
+            past = ctx - qlen
+            if past == 0:
+                keys, values = k[lo:hi], v[lo:hi]
+            else:
+                blocks = inputs.block_tables[b, : -(-ctx // block_size)]
+                keys = k_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx]
+                values = v_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx]
+            out[lo:hi] = self._attend_chunk(q[lo:hi], keys, values, past)
+        return self.o_proj(out.view(tokens, self.q_size))
+
+    def _attend_chunk(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int
+    ) -> torch.Tensor:
+        """Causal attention of ``qlen`` new queries over ``past + qlen`` keys."""
+        group = self.num_heads // self.num_kv_heads
+        qh = q.transpose(0, 1)  # [H, qlen, D]
+        kh = keys.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, ctx, D]
+        vh = values.transpose(0, 1).repeat_interleave(group, dim=0)
+        if past == 0:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
+        else:
+            qlen, ctx = q.shape[0], keys.shape[0]
+            rows = torch.arange(qlen, device=q.device)[:, None] + past
+            mask = torch.arange(ctx, device=q.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
+        return o.transpose(0, 1)
+
+    def _attend_decodes(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        inputs: StepInputs,
+    ) -> None:
+        """One attention call for every single-token chunk of the step.
+
+        Each sequence's blocks are gathered into a padded ``[n, max_ctx]`` key range; the
+        query heads of one KV head are laid along the query axis, so grouped-query attention
+        needs no copy of the keys per query head.
+        """
+        rows = inputs.decode_index
+        n = rows.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        tables = inputs.block_tables[rows]  # [n, max_blocks]
+        max_ctx = int(inputs.decode_context_lens.max())
+        max_blocks = -(-max_ctx // k_cache.shape[1])
+        tables = tables[:, :max_blocks]
+        keys = k_cache[tables].flatten(1, 2)[:, :max_ctx]  # [n, ctx, KV, D]
+        values = v_cache[tables].flatten(1, 2)[:, :max_ctx]
+        flat_rows = torch.tensor(
+            [inputs.query_starts[b] for b in inputs.decode_rows], device=q.device
+        )
+        qd = q[flat_rows].view(n, self.num_kv_heads, group, self.head_dim)
+        mask = (
+            torch.arange(max_ctx, device=q.device)[None, :]
+            < inputs.decode_context_lens[:, None]
+        )[:, None, None, :]
+        o = F.scaled_dot_product_attention(
+            qd,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask,
+            scale=self.scale,
+        )
+        out[flat_rows] = o.reshape(n, self.num_heads, self.head_dim)
+
+
+class MLP(nn.Module):
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str) -> None:
+        super().__init__()
+        gate = weights.pop(f"{prefix}.mlp.gate_proj.weight")
+        up = weights.pop(f"{prefix}.mlp.up_proj.weight")
+        self.intermediate = gate.shape[0]
+        self.gate_up_proj = Linear(torch.cat([gate, up]))
+        self.down_proj = Linear(weights.pop(f"{prefix}.mlp.down_proj.weight"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], i: int) -> None:
+        super().__init__()
+        prefix = f"model.layers.{i}"
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(weights.pop(f"{prefix}.input_layernorm.weight"), eps)
+        self.self_attn = Attention(config, weights, prefix)
+        self.post_attention_layernorm = RMSNorm(
+            weights.pop(f"{prefix}.post_attention_layernorm.weight"), eps
+        )
+        self.mlp = MLP(weights, prefix)
+
+
+class Transformer(nn.Module):
+    """A Llama-family decoder built from Hugging Face-named weights.
+
+    The constructor consumes ``weights`` (entries are popped, so peak memory stays near one
+    copy of the model); leftover names are an error, since they mean a weight was not used.
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        weights = dict(weights)
+        self.config = config
+        self.embed_tokens = nn.Parameter(weights.pop("model.embed_tokens.weight"), requires_grad=False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, weights, i) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(weights.pop("model.norm.weight"), config.rms_norm_eps)
+        head = weights.pop("lm_head.weight", None)
+        if head is None or config.tie_word_embeddings:
+            head = self.embed_tokens.data
+        self.lm_head = Linear(head)
+        leftover = sorted(k for k in weights if "rotary_emb" not in k)
+        if leftover:
+            raise ValueError(f"unused weights: {', '.join(leftover[:5])}")
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
+        """Run one step; return float32 logits ``[len(logit_rows), vocab]``."""
+        x = F.embedding(inputs.input_ids, self.embed_tokens)
+        freqs = inputs.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(x.dtype)[:, None, :]
+        sin = emb.sin().to(x.dtype)[:, None, :]
+        for i, layer in enumerate(self.layers):
+            h = layer.self_attn(layer.input_layernorm(x), cos, sin, cache.k[i], cache.v[i], inputs)
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = self.norm(x[inputs.logit_rows])
+        return self.lm_head(x).float()
