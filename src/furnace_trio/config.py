@@ -1,0 +1,126 @@
+"""Server configuration from ``FURNACE_*`` environment variables.
+
+Every value is parsed and checked once, at startup: a typo in a deployment should stop the
+server with a message naming the variable, not surface later as a confusing request error.
+Parsing does no I/O (the model path is not opened here; the backend factory does that).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+Device = Literal["cpu", "cuda", "auto"]
+DEVICES: tuple[str, ...] = ("cpu", "cuda", "auto")
+DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
+LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """An environment variable has an invalid value; the message names the variable."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything the HTTP server and the backend factory need to know.
+
+    ``model is None`` means the embedded default model; ``model_name is None`` means the name
+    the loader derives from the model. ``api_key is None`` disables authentication.
+    ``kv_cache_mb`` and ``max_context`` of ``None`` let the backend choose.
+    """
+
+    model: str | None = None
+    model_name: str | None = None
+    device: Device = "auto"
+    dtype: str = "auto"
+    api_key: str | None = None
+    max_running: int = 16
+    max_waiting: int = 256
+    max_step_tokens: int = 512
+    kv_cache_mb: int | None = None
+    max_context: int | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(
+                f"log level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
+        for name in ("max_running", "max_waiting", "max_step_tokens", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+        for name in ("kv_cache_mb", "max_context"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> ServerConfig:
+        """Read ``FURNACE_*`` variables; unset or empty means the default.
+
+        Raises :class:`ConfigError` naming the variable on any invalid value.
+        """
+
+        def text(name: str) -> str | None:
+            value = environ.get(name, "").strip()
+            return value or None
+
+        def integer(name: str) -> int | None:
+            value = text(name)
+            if value is None:
+                return None
+            try:
+                number = int(value)
+            except ValueError:
+                raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+            if number < 1:
+                raise ConfigError(f"{name} must be at least 1, got {number}")
+            return number
+
+        def choice(name: str, choices: tuple[str, ...], *, upper: bool = False) -> str | None:
+            value = text(name)
+            if value is None:
+                return None
+            value = value.upper() if upper else value.lower()
+            if value not in choices:
+                raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+            return value
+
+        defaults = cls()
+        device = choice("FURNACE_DEVICE", DEVICES) or defaults.device
+        max_running = integer("FURNACE_MAX_RUNNING")
+        max_waiting = integer("FURNACE_MAX_WAITING")
+        max_step_tokens = integer("FURNACE_MAX_STEP_TOKENS")
+        max_body_bytes = integer("FURNACE_MAX_BODY_BYTES")
+        return cls(
+            model=text("FURNACE_MODEL"),
+            model_name=text("FURNACE_MODEL_NAME"),
+            device=device,  # type: ignore[arg-type]  # checked by choice()
+            dtype=choice("FURNACE_DTYPE", DTYPES) or defaults.dtype,
+            api_key=text("FURNACE_API_KEY"),
+            max_running=max_running if max_running is not None else defaults.max_running,
+            max_waiting=max_waiting if max_waiting is not None else defaults.max_waiting,
+            max_step_tokens=(
+                max_step_tokens if max_step_tokens is not None else defaults.max_step_tokens
+            ),
+            kv_cache_mb=integer("FURNACE_KV_CACHE_MB"),
+            max_context=integer("FURNACE_MAX_CONTEXT"),
+            max_body_bytes=max_body_bytes
+            if max_body_bytes is not None
+            else defaults.max_body_bytes,
+            log_level=choice("FURNACE_LOG_LEVEL", LOG_LEVELS, upper=True) or defaults.log_level,
+        )
+
+    @property
+    def log_level_number(self) -> int:
+        return logging.getLevelName(self.log_level)  # type: ignore[no-any-return]
