@@ -1,0 +1,148 @@
+"""Tiny random models on disk, for loader tests and forward-pass comparisons.
+
+:func:`write_tiny_model` writes a Hugging Face directory that
+``transformers.AutoModelForCausalLM.from_pretrained`` loads offline, with a small byte-level
+BPE ``tokenizer.json`` and a ``tokenizer_config.json`` carrying a ChatML chat template.
+:func:`transformers_gguf_state_dict` is transformers' own GGUF dequantization (the
+reference for our GGUF loader); it avoids ``from_pretrained(gguf_file=...)``, which in
+transformers 5 requires ``accelerate`` (not installed here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TINY_VOCAB = 320
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "Trio is a friendly Python library for async concurrency and I/O.",
+    "Caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u2014 \u65e5\u672c\u8a9e \U0001f600",
+]
+
+
+def tiny_hf_config(arch: str, *, tied: bool, rope_llama3: bool = False) -> Any:
+    """A transformers config of ``arch`` with tiny sizes (GQA, 2 layers, vocab 320)."""
+    import transformers
+
+    classes = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }
+    if arch not in classes:
+        raise ValueError(f"unknown tiny architecture {arch!r}")
+    kwargs: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
+    if arch == "qwen3":
+        kwargs["head_dim"] = 24  # decoupled from hidden_size // num_heads (16), as in Qwen3
+    if rope_llama3:
+        if arch != "llama":
+            raise ValueError("llama3 rope scaling is only for the llama architecture")
+        kwargs["rope_scaling"] = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    return classes[arch](**kwargs)
+
+
+def write_tiny_model(
+    tmp_path: Path, arch: str, *, tied: bool, rope_llama3: bool = False, sharded: bool = False
+) -> Path:
+    """Write a tiny random ``arch`` model (+ tokenizer) under ``tmp_path`` and return its dir.
+
+    Weights are random but seeded (``torch.manual_seed(0)``), and the norms are randomized
+    too so a loader that drops or swaps them is caught. ``sharded`` splits the safetensors
+    into several files with a ``model.safetensors.index.json``.
+    """
+    import transformers
+
+    config = tiny_hf_config(arch, tied=tied, rope_llama3=rope_llama3)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+    name = f"tiny-{arch}{'-tied' if tied else ''}{'-llama3' if rope_llama3 else ''}"
+    directory = tmp_path / (name + ("-sharded" if sharded else ""))
+    model.save_pretrained(
+        directory, safe_serialization=True, max_shard_size="40KB" if sharded else "10GB"
+    )
+    _write_tokenizer(directory)
+    return directory
+
+
+def _write_tokenizer(directory: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    if tokenizer.get_vocab_size() > TINY_VOCAB:
+        raise ValueError("tiny tokenizer is larger than the tiny model's vocabulary")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[0],
+        "eos_token": SPECIAL_TOKENS[2],
+        "unk_token": None,
+        "pad_token": SPECIAL_TOKENS[0],
+        "add_bos_token": False,
+        "model_max_length": 256,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+
+
+def transformers_gguf_state_dict(path: Path, hf_config: Any) -> dict[str, torch.Tensor]:
+    """transformers' dequantized, un-permuted state dict of a GGUF (float32).
+
+    ``hf_config`` is the transformers config of the model (it only names the tensors and
+    gives the head counts for the un-permutation).
+    """
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(hf_config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
+    return {name: torch.as_tensor(t).float() for name, t in tensors["tensors"].items()}
