@@ -146,3 +146,138 @@ def transformers_gguf_state_dict(path: Path, hf_config: Any) -> dict[str, torch.
         skeleton = transformers.AutoModelForCausalLM.from_config(hf_config)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
     return {name: torch.as_tensor(t).float() for name, t in tensors["tensors"].items()}
+
+
+# Hugging Face name -> GGUF name, per layer (the inverse of the GGUF loader's table).
+_GGUF_BLOCK_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GGUF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    """The llama.cpp tensor name of a Hugging Face Llama-family weight."""
+    if hf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GGUF_BLOCK_NAMES[module]}.{kind}"
+
+
+def llama_cpp_permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's ``convert_hf_to_gguf.LlamaModel.permute`` (rotate-half -> interleaved)."""
+    return (
+        weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def llama3_rope_freqs(
+    head_dim: int, theta: float, factor: float, low: float, high: float, original: int
+) -> torch.Tensor:
+    """The ``rope_freqs.weight`` tensor llama.cpp's converter writes for llama3 scaling."""
+    import math
+
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi / (theta ** (-i / head_dim))
+        if wavelen < original / high:
+            factors.append(1.0)
+        elif wavelen > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
+
+
+def write_gguf(
+    path: Path,
+    config: Any,
+    state_dict: dict[str, torch.Tensor],
+    *,
+    architecture: str | None = None,
+    tokenizer_dir: Path | None = None,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write a float32 GGUF of a transformers state dict the way llama.cpp's converter does.
+
+    Q/K weights and biases are permuted for the ``llama`` architecture (also Mistral's,
+    which llama.cpp writes as ``llama``); Qwen2/Qwen3 are written as is. A tied
+    ``lm_head.weight`` is omitted. With ``tokenizer_dir``, its ``tokenizer.json`` vocabulary
+    and merges go into the ``tokenizer.ggml.*`` metadata (model ``gpt2``).
+    """
+    import gguf
+
+    model_type = config.model_type
+    arch = architecture or ("llama" if model_type == "mistral" else model_type)
+    n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_head
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = getattr(config, "rope_parameters", None) or {}
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 1e4))))
+    if tokenizer_dir is not None:
+        tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+        vocab = tok["model"]["vocab"]
+        for added in tok.get("added_tokens", []):
+            vocab[added["content"]] = added["id"]
+        tokens = [f"[PAD{i}]" for i in range(config.vocab_size)]
+        for token, index in vocab.items():
+            tokens[index] = token
+        merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(config.bos_token_id)
+        writer.add_eos_token_id(config.eos_token_id)
+        writer.add_chat_template(CHAT_TEMPLATE)
+    tied = config.tie_word_embeddings
+    for name, tensor in state_dict.items():
+        if tied and name == "lm_head.weight":
+            continue
+        data = tensor.detach().float()
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            data = llama_cpp_permute(data, n_head if ".q_proj." in name else n_kv)
+        writer.add_tensor(gguf_name(name), data.numpy())
+    for name, tensor in (extra_tensors or {}).items():
+        writer.add_tensor(name, tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_tiny_gguf(tmp_path: Path, arch: str, *, tied: bool) -> Path:
+    """A float32 GGUF of :func:`write_tiny_model`'s model (same weights, with tokenizer)."""
+    import transformers
+
+    directory = write_tiny_model(tmp_path, arch, tied=tied)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    path = tmp_path / f"{directory.name}.gguf"
+    return write_gguf(path, model.config, model.state_dict(), tokenizer_dir=directory)
