@@ -1,0 +1,651 @@
+"""The engine task: continuous batching over a :class:`~furnace_trio.plan.StepRunner`.
+
+One Trio task (:meth:`Engine.run`, started with ``nursery.start``) owns the scheduler and
+the KV block pool; nothing else touches them except the synchronous :meth:`Engine.submit`
+and :meth:`Engine.abort`, which run on the same Trio thread, so there are no locks::
+
+    loop: schedule()  ->  await to_thread(runner.step, plan)  ->  update()  ->  send_nowait
+          (idle: sleep on a trio.Event that submit() sets)
+
+- Aborts take effect at once (blocks freed synchronously); a request submitted while a
+  step runs joins the next step (continuous batching).
+- Tokens go out with ``send_nowait`` on each request's unbounded channel (bounded in
+  practice by ``max_tokens``), so the engine never waits on a slow client; a closed
+  channel means the client left, and the request is aborted.
+- Text work runs in the consumer's task, in :meth:`RequestStream.__anext__`: incremental
+  detokenization and stop strings cost the engine loop nothing, and a stop-string match
+  ends its sample through the same synchronous abort path as a disconnect.
+- Failure isolation: a raising ``runner.step`` fails only the requests of that plan. If the
+  engine task itself dies (a bug), every stream gets :class:`Failed`, :attr:`Engine.alive`
+  turns false and :meth:`Engine.submit` raises :class:`EngineUnavailable`: no request
+  ever hangs. :meth:`Engine.run` then returns instead of raising, because an exception
+  escaping quart-trio's lifespan nursery is only logged while the server goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import math
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Literal
+
+import trio
+
+from .block_pool import BlockPool
+from .detokenizer import IncrementalDetokenizer
+from .params import SamplingParams
+from .plan import SampledToken, StepRunner
+from .scheduler import FinishReason, SampleOutput, ScheduledStep, Scheduler, StepMismatch
+from .stats import EngineMetrics, EngineStatistics
+from .stop_strings import StopStringMatcher
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Admitted",
+    "Delta",
+    "Engine",
+    "EngineBusy",
+    "EngineConfig",
+    "EngineError",
+    "EngineUnavailable",
+    "Event",
+    "Failed",
+    "Finished",
+    "GenerationRequest",
+    "LogprobEntry",
+    "RequestRejected",
+    "RequestStream",
+    "RequestTooLarge",
+    "TopLogprob",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_running: int = 16  # sequences decoding at once
+    max_waiting: int = 256  # queued requests before EngineBusy
+    max_step_tokens: int = 512  # tokens per step (decode tokens + prefill chunks)
+    max_context: int | None = None  # default runner.max_context
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1:
+            raise ValueError("max_running must be at least 1")
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+        if self.max_step_tokens < self.max_running:
+            raise ValueError("max_step_tokens must be at least max_running")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError("max_context must be at least 2")
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+class EngineError(Exception):
+    """Base of the errors :meth:`Engine.submit` raises."""
+
+
+class EngineBusy(EngineError):
+    """The wait queue is full: HTTP 503 with ``Retry-After``."""
+
+
+class RequestRejected(EngineError, ValueError):
+    """Bad input (empty prompt, longer than the context): HTTP 400."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class RequestTooLarge(EngineError):
+    """The request could never fit the KV pool (or ``max_running``): HTTP 503, no retry."""
+
+
+class EngineUnavailable(EngineError):
+    """Not started, dead, or shutting down: HTTP 503."""
+
+
+# -- events ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """Once per request, when its prefill starts."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    queue_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token: str
+    token_id: int
+    logprob: float
+    bytes: tuple[int, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobEntry:
+    token: str
+    token_id: int
+    logprob: float
+    bytes: tuple[int, ...] | None
+    top: tuple[TopLogprob, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New text of sample ``index``, with every token id since the previous delta of it."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[LogprobEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """Once per sample index; ``completion_tokens`` excludes an EOS/stop token."""
+
+    index: int
+    reason: Literal["stop", "length"]
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """Terminal for the whole request."""
+
+    message: str
+
+
+Event = Admitted | Delta | Finished | Failed
+
+
+def _new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    request_id: str = field(default_factory=_new_request_id)
+
+
+# -- engine -> stream messages ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Token:
+    index: int
+    token: SampledToken
+
+
+@dataclass(frozen=True, slots=True)
+class _Finish:
+    index: int
+    reason: FinishReason
+
+
+_Message = Admitted | Failed | _Token | _Finish
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    SHUTTING_DOWN = "shutting down"
+    STOPPED = "stopped"
+    DEAD = "dead"
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    """The engine's side of a request: its channel, timings, and samples still going."""
+
+    request_id: str
+    num_prompt_tokens: int
+    send: trio.MemorySendChannel[_Message]
+    submitted_at: float
+    done: list[bool]
+    live: int
+    last_token_at: list[float | None]
+    first_token_at: float | None = None
+    any_length: bool = False
+
+
+class Engine:
+    """Continuous batching over one runner. See the module docstring for the design."""
+
+    def __init__(
+        self,
+        runner: StepRunner,
+        *,
+        decode: Callable[[Sequence[int]], str],
+        eos_token_ids: frozenset[int],
+        token_bytes: Callable[[int], bytes] | None = None,
+        config: EngineConfig = EngineConfig(),  # frozen, so one default is safe to share
+    ) -> None:
+        self._runner = runner
+        self._decode = decode
+        self._token_bytes = token_bytes
+        self.config = config
+        self.max_context = min(config.max_context or runner.max_context, runner.max_context)
+        self._pool = BlockPool(runner.num_blocks, runner.block_size)
+        self._scheduler = Scheduler(
+            self._pool,
+            max_running=config.max_running,
+            max_step_tokens=config.max_step_tokens,
+            max_context=self.max_context,
+            eos_token_ids=eos_token_ids,
+        )
+        self._requests: dict[str, _Request] = {}
+        self._limiter = trio.CapacityLimiter(1)
+        self._wake = trio.Event()
+        self._state = _State.NEW
+        self._failure: str | None = None
+        self._metrics = EngineMetrics()
+
+    # -- public surface -------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        """Started and not dead (still true while draining after :meth:`shutdown`)."""
+        return self._state in (_State.RUNNING, _State.SHUTTING_DOWN)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine died, ``None`` while it has not."""
+        return self._failure
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The engine task. Returns after :meth:`shutdown` once idle, or when it died."""
+        if self._state is not _State.NEW:
+            raise RuntimeError("Engine.run() can only be called once")
+        self._state = _State.RUNNING
+        task_status.started()
+        try:
+            await self._loop()
+        except Exception as exc:
+            logger.exception("The engine task died")
+            self._die(f"the engine failed: {exc!r}")
+            return
+        except BaseException:
+            self._die("the engine was stopped")
+            raise
+        if self._state is _State.SHUTTING_DOWN:
+            self._state = _State.STOPPED
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue a request; its stream yields its events. Raises the :class:`EngineError`\\ s."""
+        try:
+            return self._submit(request)
+        except EngineError:
+            self._metrics.count("rejected")
+            raise
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request in any state, freeing its KV blocks now. Idempotent."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        self._scheduler.abort(request_id)
+        self._metrics.count("aborted")
+        request.send.close()
+
+    def shutdown(self) -> None:
+        """Stop admitting (submit raises :class:`EngineUnavailable`) and fail the waiting
+        requests; running ones finish, then :meth:`run` returns."""
+        if self._state is _State.RUNNING:
+            self._state = _State.SHUTTING_DOWN
+        for group in list(self._scheduler.waiting):
+            self._scheduler.abort(group.request_id)
+            self._fail_request(group.request_id, "the server is shutting down")
+        self._wake.set()
+
+    def statistics(self) -> EngineStatistics:
+        return self._metrics.snapshot(
+            running=self._scheduler.num_running,
+            waiting=self._scheduler.num_waiting,
+            kv_used=self._pool.num_used,
+            kv_total=self._pool.num_blocks,
+            alive=self.alive,
+        )
+
+    # -- submission -----------------------------------------------------------------------
+
+    def _submit(self, request: GenerationRequest) -> RequestStream:
+        if self._state is not _State.RUNNING:
+            raise EngineUnavailable(self._failure or f"the engine is {self._state.value}")
+        prompt = request.prompt_token_ids
+        params = request.params
+        if not prompt:
+            raise RequestRejected("the prompt is empty", param="prompt")
+        if len(prompt) >= self.max_context:
+            raise RequestRejected(
+                f"the prompt has {len(prompt)} tokens; the context holds {self.max_context}",
+                param="prompt",
+            )
+        if len(prompt) + params.max_tokens > self.max_context:
+            raise RequestRejected(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the context of {self.max_context} tokens",
+                param="max_tokens",
+            )
+        if params.n > self.config.max_running:
+            raise RequestTooLarge(
+                f"n={params.n} exceeds the {self.config.max_running} sequences this server runs"
+            )
+        needed = self._scheduler.blocks_needed(len(prompt), params)
+        if needed > self._pool.num_blocks:
+            raise RequestTooLarge(
+                f"the request needs {needed} KV blocks; the server has {self._pool.num_blocks}"
+            )
+        if request.request_id in self._requests:
+            raise RequestRejected(f"request id {request.request_id!r} is in use", param=None)
+        if self._scheduler.num_waiting >= self.config.max_waiting:
+            raise EngineBusy(f"{self._scheduler.num_waiting} requests are waiting")
+        send, receive = trio.open_memory_channel[_Message](math.inf)
+        self._scheduler.add(request.request_id, prompt, params)
+        self._requests[request.request_id] = _Request(
+            request_id=request.request_id,
+            num_prompt_tokens=len(prompt),
+            send=send,
+            submitted_at=trio.current_time(),
+            done=[False] * params.n,
+            live=params.n,
+            last_token_at=[None] * params.n,
+        )
+        self._wake.set()
+        return RequestStream(self, request.request_id, receive, params)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            if self._state is _State.SHUTTING_DOWN and not self._scheduler.has_work:
+                return
+            step = self._scheduler.schedule()
+            if step is None:
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            self._on_admitted(step)
+            started = trio.current_time()
+            try:
+                sampled = await trio.to_thread.run_sync(
+                    self._runner.step, step.plan, limiter=self._limiter
+                )
+            except Exception as exc:
+                logger.warning("A model step failed: %r", exc, exc_info=exc)
+                self._fail_step(step, f"the model failed: {exc}")
+                continue
+            try:
+                outputs = self._scheduler.update(step, sampled)
+            except StepMismatch as exc:
+                logger.error("Bad runner output: %s", exc)
+                self._fail_step(step, f"the model failed: {exc}")
+                continue
+            now = trio.current_time()
+            if step.num_prefill_tokens:
+                self._metrics.prefill_step_time.observe(now - started)
+            else:
+                self._metrics.decode_step_time.observe(now - started)
+            self._deliver(outputs, now)
+
+    def _on_admitted(self, step: ScheduledStep) -> None:
+        now = trio.current_time()
+        for request_id in step.admitted:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            queue_time = now - request.submitted_at
+            self._metrics.queue_time.observe(queue_time)
+            self._metrics.prompt_tokens_total += request.num_prompt_tokens
+            self._send(request, Admitted(request.num_prompt_tokens, 0, queue_time))
+
+    def _deliver(self, outputs: list[SampleOutput], now: float) -> None:
+        metrics = self._metrics
+        for output in outputs:
+            request = self._requests.get(output.request_id)
+            if request is None:
+                continue
+            if output.token is not None:
+                metrics.generation_tokens_total += 1
+                if request.first_token_at is None:
+                    request.first_token_at = now
+                    metrics.time_to_first_token.observe(now - request.submitted_at)
+                last = request.last_token_at[output.index]
+                if last is not None:
+                    metrics.inter_token_latency.observe(now - last)
+                request.last_token_at[output.index] = now
+                if not self._send(request, _Token(output.index, output.token)):
+                    continue
+            if output.finish is not None:
+                self._finish_sample(request, output.index, output.finish)
+
+    def _send(self, request: _Request, message: _Message) -> bool:
+        """Whether the message went out; a closed stream aborts the request."""
+        try:
+            request.send.send_nowait(message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.abort(request.request_id)
+            return False
+        return True
+
+    def _finish_sample(self, request: _Request, index: int, reason: FinishReason) -> None:
+        if request.done[index]:
+            return
+        request.done[index] = True
+        request.live -= 1
+        request.any_length |= reason is FinishReason.LENGTH
+        if not self._send(request, _Finish(index, reason)):
+            return
+        if request.live == 0:
+            del self._requests[request.request_id]
+            self._metrics.count("finished_length" if request.any_length else "finished_stop")
+            self._metrics.e2e_latency.observe(trio.current_time() - request.submitted_at)
+            request.send.close()
+
+    def _stop_sample(self, request_id: str, index: int) -> None:
+        """A stop string matched in the stream: end that sample as 'stop'."""
+        request = self._requests.get(request_id)
+        if request is None or request.done[index]:
+            return
+        self._scheduler.abort_sample(request_id, index)
+        self._finish_sample(request, index, FinishReason.STOP)
+
+    def _fail_step(self, step: ScheduledStep, message: str) -> None:
+        for request_id in self._scheduler.fail(step):
+            self._fail_request(request_id, message)
+
+    def _fail_request(self, request_id: str, message: str) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        self._metrics.count("failed")
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            request.send.send_nowait(Failed(message))
+        request.send.close()
+
+    def _die(self, reason: str) -> None:
+        self._state = _State.DEAD
+        self._failure = reason
+        try:
+            self._scheduler.abort_all()
+        except Exception:  # the scheduler may be what broke; the streams matter more
+            logger.exception("Cleaning up the scheduler failed")
+        for request_id in list(self._requests):
+            self._fail_request(request_id, reason)
+
+
+# -- the consumer's side ----------------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class _SampleText:
+    """Text state of one sample: detokenizer, stop strings, tokens not yet in a delta."""
+
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher | None
+    completion_tokens: int = 0
+    finished: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+
+
+class RequestStream:
+    """The events of one request, consumed in its handler's task.
+
+    Yields :class:`Admitted`, then :class:`Delta`\\ s and one :class:`Finished` per sample
+    index, or a :class:`Failed` that ends everything. Leaving it (``async with``, or
+    :meth:`close`) aborts the request if it is unfinished; ``close`` never awaits, so it is
+    safe in ``finally`` blocks and under cancellation.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        request_id: str,
+        receive: trio.MemoryReceiveChannel[_Message],
+        params: SamplingParams,
+    ) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._receive = receive
+        self._params = params
+        self._want_logprobs = params.logprobs is not None
+        self._samples = [
+            _SampleText(
+                IncrementalDetokenizer(engine._decode),
+                StopStringMatcher(params.stop) if params.stop else None,
+            )
+            for _ in range(params.n)
+        ]
+        self._live = params.n
+        self._ready: deque[Event] = deque()
+        self._done = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        while not self._ready:
+            if self._done or self._closed:
+                raise StopAsyncIteration
+            try:
+                message = await self._receive.receive()
+            except trio.EndOfChannel:
+                self._done = True
+                self._ready.append(Failed("the request was aborted"))
+                break
+            except trio.ClosedResourceError:
+                raise StopAsyncIteration from None
+            self._handle(message)
+        return self._ready.popleft()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Abort the request if unfinished and stop listening. Idempotent, never awaits."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._done:
+            self._engine.abort(self.request_id)
+        self._receive.close()
+
+    # -- text -----------------------------------------------------------------------------
+
+    def _handle(self, message: _Message) -> None:
+        if isinstance(message, _Token):
+            self._on_token(message.index, message.token)
+        elif isinstance(message, _Finish):
+            self._on_finish(message.index, message.reason.value)
+        elif isinstance(message, Failed):
+            self._done = True
+            self._ready.append(message)
+        else:
+            self._ready.append(message)
+
+    def _on_token(self, index: int, token: SampledToken) -> None:
+        sample = self._samples[index]
+        if sample.finished:
+            return  # a stop string ended it; tokens in flight are dropped
+        sample.completion_tokens += 1
+        sample.token_ids.append(token.token_id)
+        if self._want_logprobs:
+            sample.logprobs.append(self._logprob_entry(token))
+        text = sample.detokenizer.feed(token.token_id)
+        if sample.stops is not None:
+            text, matched = sample.stops.feed(text)
+            if matched:
+                self._end_sample(index, text, "stop")
+                self._engine._stop_sample(self.request_id, index)
+                return
+        if text or self._want_logprobs:
+            self._emit_delta(index, text)
+
+    def _on_finish(self, index: int, reason: Literal["stop", "length"]) -> None:
+        sample = self._samples[index]
+        if sample.finished:
+            return
+        text = sample.detokenizer.flush()
+        if sample.stops is not None:
+            text, matched = sample.stops.feed(text)
+            if matched:
+                reason = "stop"
+            else:
+                text += sample.stops.flush()
+        self._end_sample(index, text, reason)
+
+    def _end_sample(self, index: int, text: str, reason: Literal["stop", "length"]) -> None:
+        sample = self._samples[index]
+        if text or sample.token_ids:
+            self._emit_delta(index, text)
+        sample.finished = True
+        self._ready.append(Finished(index, reason, sample.completion_tokens))
+        self._live -= 1
+        if self._live == 0:
+            self._done = True
+
+    def _emit_delta(self, index: int, text: str) -> None:
+        sample = self._samples[index]
+        self._ready.append(Delta(index, text, tuple(sample.token_ids), tuple(sample.logprobs)))
+        sample.token_ids.clear()
+        sample.logprobs.clear()
+
+    def _logprob_entry(self, token: SampledToken) -> LogprobEntry:
+        top = tuple(
+            TopLogprob(self._piece(t.token_id), t.token_id, t.logprob, self._bytes(t.token_id))
+            for t in token.top_logprobs
+        )
+        logprob = token.logprob if token.logprob is not None else math.nan
+        return LogprobEntry(
+            self._piece(token.token_id), token.token_id, logprob, self._bytes(token.token_id), top
+        )
+
+    def _piece(self, token_id: int) -> str:
+        return self._engine._decode((token_id,))
+
+    def _bytes(self, token_id: int) -> tuple[int, ...] | None:
+        token_bytes = self._engine._token_bytes
+        return None if token_bytes is None else tuple(token_bytes(token_id))
