@@ -114,7 +114,10 @@ def test_chat_full_request_parses() -> None:
         chat(
             messages=[
                 {"role": "developer", "content": "be brief"},
-                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
                 {"role": "assistant", "content": None, "tool_calls": []},
             ],
             max_tokens=5,

@@ -1,0 +1,566 @@
+"""The quart-trio HTTP API: OpenAI-compatible endpoints over one :class:`Engine`.
+
+Lifecycle (see ``TRIO-NOTES.md``):
+
+- Importing this module loads nothing. ``before_serving`` reads the configuration (from the
+  environment unless one was given), runs the blocking backend factory in a worker thread
+  and starts the engine in ``app.nursery`` with ``nursery.start``, so hypercorn accepts
+  connections only once the model is ready.
+- The engine runs under a supervisor: if it dies, ``/health`` and every new request answer
+  503, and streams in flight end with an SSE error event. ``after_serving`` shuts the
+  engine down and cancels it explicitly (quart-trio would wait 5 s for it otherwise).
+- Cancellation: each generation registers its request id in the ASGI scope. The handler's
+  ``finally`` aborts it (sync, idempotent); :class:`AbortOnExit`, an ASGI wrapper around the
+  whole app, aborts every registered id again on the way out, which covers a client that
+  leaves after the handler returned a streaming response but before its body generator
+  started (its ``finally`` then never runs).
+"""
+
+from __future__ import annotations
+
+import hmac
+import inspect
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from .config import ServerConfig
+from .engine import (
+    Admitted,
+    Delta,
+    EngineBusy,
+    EngineUnavailable,
+    Failed,
+    Finished,
+    GenerationRequest,
+    RequestRejected,
+    RequestStream,
+    RequestTooLarge,
+)
+from .errors import APIError, invalid_request
+from .metrics import render_metrics
+from .protocol import (
+    ChatRequest,
+    CompletionRequest,
+    parse_chat_request,
+    parse_completion_request,
+    resolve_max_tokens,
+)
+from .sse import DONE, SSE_HEADERS, Collector, Kind, dumps, sse_event
+
+if TYPE_CHECKING:
+    from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
+
+    from .backend import Backend
+
+logger = logging.getLogger(__name__)
+
+BackendFactory = Callable[[ServerConfig], "Backend"]
+SCOPE_KEY = "furnace_trio.request_ids"
+STATE_KEY = "furnace_trio"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+BUSY_RETRY_AFTER_S = 1
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the app knows about its backend; touched only on the Trio thread.
+
+    ``backend`` is set once the factory returned; ``engine_running`` is true exactly while
+    the supervised engine task runs; ``engine_failure`` keeps why it stopped.
+    """
+
+    config: ServerConfig | None
+    backend_factory: BackendFactory | None
+    backend: Backend | None = None
+    engine_running: bool = False
+    engine_failure: str | None = None
+    engine_scope: trio.CancelScope | None = None
+    started: int = field(default_factory=lambda: int(time.time()))
+    http_responses: Counter[int] = field(default_factory=Counter)
+
+    def serving_backend(self) -> Backend:
+        """The backend if its engine is running, else a 503 :class:`APIError`."""
+        backend = self.backend
+        if backend is None or not self.engine_running or not backend.engine.alive:
+            reason = self.engine_failure or "the engine is not running"
+            raise APIError(503, f"The server cannot serve requests: {reason}", code="unavailable")
+        return backend
+
+
+class AbortOnExit:
+    """ASGI wrapper: count responses by status and abort a request's sequences when it ends.
+
+    Aborting is idempotent and synchronous, so doing it for every registered id after the
+    inner app returns (normally, by cancellation or by an exception) is always safe.
+    """
+
+    def __init__(self, inner: Callable[..., Any], state: ServerState) -> None:
+        self.inner = inner
+        self.state = state
+
+    async def __call__(
+        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
+        if scope["type"] != "http":
+            await self.inner(scope, receive, send)
+            return
+        request_ids: list[str] = []
+        scope[SCOPE_KEY] = request_ids  # type: ignore[literal-required]
+
+        async def counting_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                self.state.http_responses[int(message["status"])] += 1
+            await send(message)
+
+        try:
+            await self.inner(scope, receive, counting_send)
+        finally:
+            backend = self.state.backend
+            if backend is not None:
+                for request_id in request_ids:
+                    backend.engine.abort(request_id)
+
+
+def create_app(
+    config: ServerConfig | None = None, *, backend_factory: BackendFactory | None = None
+) -> QuartTrio:
+    """Build the app; nothing is loaded until it starts serving.
+
+    ``config is None`` reads ``FURNACE_*`` variables when serving starts;
+    ``backend_factory is None`` uses :func:`furnace_trio.backend.load_backend`.
+    """
+    app = QuartTrio(__name__)
+    app.config["RESPONSE_TIMEOUT"] = 60
+    state = ServerState(config=config, backend_factory=backend_factory)
+    app.extensions[STATE_KEY] = state
+    if config is not None:
+        app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
+    app.asgi_app = AbortOnExit(app.asgi_app, state)  # type: ignore[method-assign]
+
+    @app.before_serving
+    async def start_backend() -> None:
+        if state.config is None:
+            state.config = ServerConfig.from_env()
+        cfg = state.config
+        app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes
+        logging.getLogger("furnace_trio").setLevel(cfg.log_level)
+        if not logging.getLogger().handlers:
+            logging.basicConfig(level=cfg.log_level)
+        factory = state.backend_factory
+        if factory is None:
+            from .backend import load_backend
+
+            factory = load_backend
+        state.backend = await trio.to_thread.run_sync(factory, cfg)
+        await app.nursery.start(_supervise_engine, state)
+        logger.info(
+            "serving %s (context %d tokens)", state.backend.model_name, state.backend.max_context
+        )
+
+    @app.after_serving
+    async def stop_backend() -> None:
+        backend = state.backend
+        if backend is not None:
+            result = backend.engine.shutdown()
+            if inspect.isawaitable(result):
+                with trio.move_on_after(5):
+                    await result
+        if state.engine_scope is not None:
+            state.engine_scope.cancel()
+
+    _register_error_handlers(app)
+    _register_routes(app, state)
+    return app
+
+
+async def _supervise_engine(
+    state: ServerState, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run the engine; record its death instead of letting it escape ``app.nursery``.
+
+    An exception escaping quart-trio's lifespan nursery is only logged while the server
+    keeps answering, so the supervisor keeps the state ``/health`` and handlers look at.
+    A failure before ``task_status.started`` propagates: the server then fails to start.
+    """
+    assert state.backend is not None  # set just before; not user input
+    engine = state.backend.engine
+    started = False
+
+    async def run_engine(*, task_status: trio.TaskStatus[None]) -> None:
+        await engine.run(task_status=task_status)
+
+    with trio.CancelScope() as scope:
+        state.engine_scope = scope
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(run_engine)
+                started = True
+                state.engine_running = True
+                task_status.started()
+        except Exception as exc:
+            if not started:
+                raise
+            state.engine_failure = f"the engine failed: {exc!r}"
+            logger.exception("the engine task died; answering 503 from now on")
+        finally:
+            state.engine_running = False
+            if state.engine_failure is None:
+                state.engine_failure = engine.failure or "the engine has stopped"
+            if engine.failure is not None:
+                logger.error("the engine stopped: %s; answering 503 from now on", engine.failure)
+
+
+def _error_response(error: APIError) -> Response:
+    response = Response(dumps(error.body()), status=error.status, mimetype="application/json")
+    for name, value in error.headers.items():
+        response.headers[name] = value
+    return response
+
+
+def _register_error_handlers(app: QuartTrio) -> None:
+    @app.errorhandler(APIError)
+    async def api_error(error: APIError) -> Response:
+        logger.info("%s %s -> %d: %s", request.method, request.path, error.status, error.message)
+        return _error_response(error)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(error: HTTPException) -> Response:
+        status = error.code or 500
+        headers = {
+            name: value
+            for name, value in error.get_headers()
+            if name.lower() not in ("content-type", "content-length")
+        }
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
+        message = error.description or error.name
+        if status == 413:
+            message = "The request body is larger than the server accepts."
+        return _error_response(APIError(status, message, code=code, headers=headers))
+
+    @app.errorhandler(Exception)
+    async def unexpected_error(error: Exception) -> Response:
+        logger.exception("unexpected error in %s %s", request.method, request.path)
+        return _error_response(APIError(500, "The server had an internal error.", code=None))
+
+
+def _check_api_key(state: ServerState) -> None:
+    cfg = state.config
+    if cfg is None or cfg.api_key is None:
+        return
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    given = token.strip() if scheme.lower() == "bearer" else ""
+    if not hmac.compare_digest(given.encode(), cfg.api_key.encode()):
+        raise APIError(
+            401,
+            "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def _check_model(backend: Backend, model: str | None) -> None:
+    if model is not None and model != backend.model_name:
+        raise APIError(
+            404,
+            f"The model {model!r} does not exist; this server serves {backend.model_name!r}.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _submit(backend: Backend, generation: GenerationRequest, param: str) -> RequestStream:
+    """Hand a request to the engine, register it for abort, map engine errors to HTTP."""
+    try:
+        stream = backend.engine.submit(generation)
+    except EngineBusy as exc:
+        raise APIError(
+            503,
+            f"The server is busy: {exc}. Retry shortly.",
+            code="server_busy",
+            headers={"Retry-After": str(BUSY_RETRY_AFTER_S)},
+        ) from None
+    except RequestTooLarge as exc:
+        raise APIError(
+            503,
+            f"The request can never fit this server's memory: {exc}",
+            code="request_too_large",
+            headers={"x-should-retry": "false"},
+        ) from None
+    except RequestRejected as exc:
+        raise invalid_request(str(exc), getattr(exc, "param", None) or param) from None
+    except EngineUnavailable as exc:
+        raise APIError(
+            503, f"The server cannot serve requests: {exc}", code="unavailable"
+        ) from None
+    request.scope[SCOPE_KEY].append(stream.request_id)  # type: ignore[literal-required]
+    return stream
+
+
+@dataclass(slots=True)
+class _Timing:
+    """Times and counts for the per-request log line."""
+
+    request_id: str
+    started: float = field(default_factory=time.monotonic)
+    admitted: float | None = None
+    first_token: float | None = None
+    queue_time: float = 0.0
+    status: int = 200
+
+    def log(self, collector: Collector) -> None:
+        end = time.monotonic()
+        generated = collector.completion_tokens
+        prefill_rate = decode_rate = 0.0
+        if self.admitted is not None and self.first_token is not None:
+            prefill_s = self.first_token - self.admitted
+            new_tokens = collector.prompt_tokens - collector.cached_tokens
+            prefill_rate = new_tokens / prefill_s if prefill_s > 0 else 0.0
+            decode_s = end - self.first_token
+            decode_rate = (generated - collector.n) / decode_s if decode_s > 0 else 0.0
+        reasons = ",".join(c.finish_reason or "-" for c in collector.choices)
+        logger.info(
+            "request %s status=%d prompt_tokens=%d cached_tokens=%d generated_tokens=%d "
+            "queue_time=%.3fs prefill=%.1f tok/s decode=%.1f tok/s finish=%s total=%.3fs",
+            self.request_id,
+            self.status,
+            collector.prompt_tokens,
+            collector.cached_tokens,
+            generated,
+            self.queue_time,
+            prefill_rate,
+            max(decode_rate, 0.0),
+            reasons,
+            end - self.started,
+        )
+
+
+def _register_routes(app: QuartTrio, state: ServerState) -> None:
+    @app.before_request
+    async def authenticate() -> None:
+        if request.path.startswith("/v1"):
+            _check_api_key(state)
+
+    @app.get("/health")
+    async def health() -> tuple[dict[str, Any], int]:
+        try:
+            backend = state.serving_backend()
+        except APIError as error:
+            return {"status": "unavailable", "error": error.message}, 503
+        return {"status": "ok", "model": backend.model_name}, 200
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        backend = state.backend
+        stats = backend.engine.statistics() if backend is not None else None
+        text = render_metrics(stats, state.http_responses, engine_up=state.engine_running)
+        return Response(text, mimetype="text/plain; version=0.0.4")
+
+    def model_card(backend: Backend) -> dict[str, Any]:
+        return {
+            "id": backend.model_name,
+            "object": "model",
+            "created": state.started,
+            "owned_by": "furnace-trio",
+            "max_model_len": backend.max_context,
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        backend = state.serving_backend()
+        return {"object": "list", "data": [model_card(backend)]}
+
+    @app.get("/v1/models/<path:model_id>")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        backend = state.serving_backend()
+        _check_model(backend, model_id)
+        return model_card(backend)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        body = await request.get_data(cache=False)
+        backend = state.serving_backend()
+        parsed = parse_chat_request(body, vocab_size=backend.tokenizer.vocab_size)
+        _check_model(backend, parsed.model)
+        prompt_ids = await trio.to_thread.run_sync(_render_chat, backend, parsed)
+        return await _generate(backend, "chat", parsed, prompt_ids, "messages")
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        body = await request.get_data(cache=False)
+        backend = state.serving_backend()
+        parsed = parse_completion_request(body, vocab_size=backend.tokenizer.vocab_size)
+        _check_model(backend, parsed.model)
+        if isinstance(parsed.prompt, str):
+            prompt_ids = await trio.to_thread.run_sync(_encode_prompt, backend, parsed.prompt)
+        else:
+            prompt_ids = parsed.prompt
+        return await _generate(backend, "completion", parsed, prompt_ids, "prompt")
+
+
+def _render_chat(backend: Backend, parsed: ChatRequest) -> tuple[int, ...]:
+    """Template and tokenize (runs in a worker thread; big inputs take a while)."""
+    try:
+        text = backend.tokenizer.apply_chat_template(
+            [dict(m) for m in parsed.messages],
+            add_generation_prompt=True,
+            tools=[dict(t) for t in parsed.tools] if parsed.tools else None,
+        )
+        return tuple(backend.tokenizer.encode(text, add_special_tokens=False))
+    except ValueError as exc:
+        raise invalid_request(f"cannot render the chat template: {exc}", "messages") from None
+
+
+def _encode_prompt(backend: Backend, prompt: str) -> tuple[int, ...]:
+    return tuple(backend.tokenizer.encode(prompt, add_special_tokens=True))
+
+
+async def _generate(
+    backend: Backend,
+    kind: Kind,
+    parsed: ChatRequest | CompletionRequest,
+    prompt_ids: tuple[int, ...],
+    prompt_param: str,
+) -> Response:
+    if not prompt_ids:
+        raise invalid_request("the prompt is empty after tokenization", prompt_param)
+    max_tokens = resolve_max_tokens(
+        parsed.sampling.max_tokens,
+        prompt_tokens=len(prompt_ids),
+        max_context=backend.max_context,
+        default=None if kind == "chat" else COMPLETIONS_DEFAULT_MAX_TOKENS,
+    )
+    try:
+        params = parsed.sampling.to_params(max_tokens)
+    except ValueError as exc:
+        raise invalid_request(str(exc)) from None
+    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    collector = Collector(
+        kind=kind,
+        response_id=request_id,
+        model=backend.model_name,
+        created=int(time.time()),
+        n=params.n,
+        prompt_tokens=len(prompt_ids),
+        want_logprobs=params.logprobs is not None,
+    )
+    stream = _submit(
+        backend,
+        GenerationRequest(prompt_token_ids=prompt_ids, params=params, request_id=request_id),
+        prompt_param,
+    )
+    timing = _Timing(request_id)
+    if parsed.stream:
+        response = Response(
+            _stream_body(stream, collector, timing, parsed.include_usage),
+            mimetype="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+        response.timeout = None  # RESPONSE_TIMEOUT would silently cut a long stream
+        return response
+    try:
+        async for event in stream:
+            failure = _apply(event, collector, timing)
+            if failure is not None:
+                timing.status = 500
+                raise APIError(500, f"The model failed on this request: {failure}")
+        return Response(dumps(collector.response()), mimetype="application/json")
+    except BaseException:
+        if timing.status == 200:
+            timing.status = 499  # cancelled: the client went away
+        raise
+    finally:
+        stream.close()
+        timing.log(collector)
+
+
+def _apply(event: object, collector: Collector, timing: _Timing) -> str | None:
+    """Fold one engine event into the collector; return the message of a ``Failed``."""
+    if isinstance(event, Delta):
+        if timing.first_token is None:
+            timing.first_token = time.monotonic()
+        collector.add_delta(event.index, event.text, event.logprobs)
+    elif isinstance(event, Finished):
+        collector.finish(event.index, event.reason, event.completion_tokens)
+    elif isinstance(event, Admitted):
+        _admit(event, collector, timing)
+    elif isinstance(event, Failed):
+        return event.message
+    return None
+
+
+def _admit(event: Admitted, collector: Collector, timing: _Timing) -> None:
+    timing.admitted = time.monotonic()
+    timing.queue_time = event.queue_time
+    collector.prompt_tokens = event.prompt_tokens
+    collector.cached_tokens = event.cached_tokens
+
+
+async def _stream_body(
+    stream: RequestStream, collector: Collector, timing: _Timing, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """SSE body; ``finally`` aborts (sync, idempotent) however the generator ends."""
+    try:
+        if collector.kind == "chat":
+            for index in range(collector.n):
+                yield sse_event(collector.chunk(index, role=True, include_usage=include_usage))
+        async for event in stream:
+            for chunk in _stream_chunks(event, collector, timing, include_usage):
+                yield chunk
+            if isinstance(event, Failed):
+                timing.status = 500
+                error = APIError(500, f"The model failed on this request: {event.message}")
+                yield sse_event(error.body())
+                return
+        if include_usage:
+            yield sse_event(collector.usage_chunk())
+        yield DONE
+    except Exception as exc:
+        timing.status = 500
+        logger.exception("stream %s failed", collector.response_id)
+        yield sse_event(APIError(500, f"The stream failed: {exc}").body())
+    except BaseException:
+        if timing.status == 200:
+            timing.status = 499
+        raise
+    finally:
+        stream.close()
+        timing.log(collector)
+
+
+def _stream_chunks(
+    event: object, collector: Collector, timing: _Timing, include_usage: bool
+) -> Iterable[bytes]:
+    if isinstance(event, Delta):
+        if timing.first_token is None:
+            timing.first_token = time.monotonic()
+        if event.text or (collector.want_logprobs and event.logprobs):
+            yield sse_event(
+                collector.chunk(
+                    event.index,
+                    text=event.text,
+                    logprobs=event.logprobs,
+                    include_usage=include_usage,
+                )
+            )
+    elif isinstance(event, Finished):
+        collector.finish(event.index, event.reason, event.completion_tokens)
+        yield sse_event(
+            collector.chunk(event.index, finish_reason=event.reason, include_usage=include_usage)
+        )
+    elif isinstance(event, Admitted):
+        _admit(event, collector, timing)
+
+
+#: Served by ``hypercorn -c hypercorn.toml furnace_trio.app:app``; loads nothing at import.
+app = create_app()
