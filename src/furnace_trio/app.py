@@ -216,7 +216,7 @@ async def _supervise_engine(
             state.engine_running = False
             if state.engine_failure is None:
                 state.engine_failure = engine.failure or "the engine has stopped"
-            if engine.failure is not None:
+            if engine.failure is not None and not scope.cancel_called:
                 logger.error("the engine stopped: %s; answering 503 from now on", engine.failure)
 
 
