@@ -276,11 +276,11 @@ class Scheduler:
         for group in self.running.values():
             if budget <= 0:
                 break
-            seq = group.prefill
-            if seq is None or seq.num_computed_tokens >= len(group.prompt):
+            prefill = group.prefill
+            if prefill is None or prefill.num_computed_tokens >= len(group.prompt):
                 continue
-            take = min(len(group.prompt) - seq.num_computed_tokens, budget)
-            chunks.append(self._chunk(seq, take))
+            take = min(len(group.prompt) - prefill.num_computed_tokens, budget)
+            chunks.append(self._chunk(prefill, take))
             request_ids.append(group.request_id)
             budget -= take
         # 3. admission, first come first served
