@@ -257,8 +257,7 @@ class Attention(nn.Module):
         )
         qd = q[flat_rows].view(n, self.num_kv_heads, group, self.head_dim)
         mask = (
-            torch.arange(max_ctx, device=q.device)[None, :]
-            < inputs.decode_context_lens[:, None]
+            torch.arange(max_ctx, device=q.device)[None, :] < inputs.decode_context_lens[:, None]
         )[:, None, None, :]
         o = F.scaled_dot_product_attention(
             qd,
@@ -308,7 +307,9 @@ class Transformer(nn.Module):
         super().__init__()
         weights = dict(weights)
         self.config = config
-        self.embed_tokens = nn.Parameter(weights.pop("model.embed_tokens.weight"), requires_grad=False)
+        self.embed_tokens = nn.Parameter(
+            weights.pop("model.embed_tokens.weight"), requires_grad=False
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, weights, i) for i in range(config.num_layers)
         )

@@ -1,0 +1,200 @@
+"""The model runner: executes an immutable :class:`~furnace_trio.plan.StepPlan`.
+
+It owns the torch side of serving: the :class:`~furnace_trio.model.Transformer`, the paged
+:class:`~furnace_trio.model.KVCache`, and the per-sequence sampler generators. It never
+decides what to schedule; the engine calls :meth:`ModelRunner.step` on a worker thread.
+
+Thread-local torch state (inference mode, the CUDA device) is set inside every call, since
+Trio retires idle worker threads and a step may land on a fresh one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .loader import LoadedModel
+from .model import KVCache, StepInputs, Transformer
+from .model_config import ModelConfig
+from .plan import SampledToken, SampleSpec, StepPlan
+from .sampling import GeneratorStore, sample
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """``auto`` picks CUDA when available, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """float32 on the CPU, bfloat16 on a GPU, unless configured."""
+    if name is None or name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(table)}")
+    return table[name]
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    device: str = "auto"
+    dtype: str | None = None
+    kv_cache_bytes: int = 1 << 30
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_context: int | None = None
+
+
+class ModelRunner:
+    """Runs steps of one model on one device; implements the ``StepRunner`` protocol."""
+
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], settings: RunnerConfig
+    ) -> None:
+        self.device = resolve_device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, self.device)
+        self.config = config
+        weights = {k: v.to(device=self.device, dtype=self.dtype) for k, v in weights.items()}
+        self.model = Transformer(config, weights).eval()
+        per_block = KVCache.bytes_per_block(config, settings.block_size, self.dtype)
+        num_blocks = max(1, settings.kv_cache_bytes // per_block)
+        self.cache = KVCache(
+            config,
+            num_blocks=num_blocks,
+            block_size=settings.block_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        limit = config.max_position_embeddings
+        self._max_context = min(settings.max_context or limit, limit)
+        self.generators = GeneratorStore(self.device)
+        logger.info(
+            "runner: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB), context %d",
+            config.architecture,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            num_blocks,
+            settings.block_size,
+            num_blocks * per_block / 2**20,
+            self._max_context,
+        )
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, settings: RunnerConfig) -> ModelRunner:
+        return cls(loaded.config, dict(loaded.weights), settings)
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    def step(self, plan: StepPlan) -> list[SampledToken]:
+        """Copy blocks, run the forward pass, draw the samples (blocking)."""
+        with torch.inference_mode():
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            for seq_id in plan.released:
+                self.generators.release(seq_id)
+            self.cache.copy_blocks(plan.block_copies)
+            if not plan.chunks:
+                return []
+            logits = self._forward(plan)
+            specs: list[SampleSpec] = []
+            rows: list[int] = []
+            row = 0
+            for chunk in plan.chunks:
+                if chunk.samples:
+                    specs.extend(chunk.samples)
+                    rows.extend([row] * len(chunk.samples))
+                    row += 1
+            if not specs:
+                return []
+            index = torch.tensor(rows, device=logits.device)
+            generators = [self.generators.get(s.seq_id, s.params.seed) for s in specs]
+            return sample(logits[index], specs, generators)
+
+    def logits(self, plan: StepPlan) -> torch.Tensor:
+        """Next-token logits after every chunk of ``plan``, no sampling (tests, benchmarks)."""
+        with torch.inference_mode():
+            self.cache.copy_blocks(plan.block_copies)
+            return self._forward(plan, all_rows=True)
+
+    def _forward(self, plan: StepPlan, *, all_rows: bool = False) -> torch.Tensor:
+        inputs = build_inputs(plan, self.block_size, self.device, all_rows=all_rows)
+        return self.model(inputs, self.cache)
+
+
+def build_inputs(
+    plan: StepPlan, block_size: int, device: torch.device, *, all_rows: bool = False
+) -> StepInputs:
+    """Flatten a plan's chunks into the tensors of :class:`StepInputs`.
+
+    Logits are computed only for the last token of chunks that sample (or of every chunk
+    with ``all_rows``): the vocabulary projection is the largest matrix of a small model.
+    """
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    starts = [0]
+    context_lens: list[int] = []
+    decode_rows: list[int] = []
+    logit_rows: list[int] = []
+    tables: list[Sequence[int]] = []
+    for b, chunk in enumerate(plan.chunks):
+        n = len(chunk.token_ids)
+        if n == 0:
+            raise ValueError(f"chunk of sequence {chunk.seq_id} has no tokens")
+        end = chunk.start_pos + n
+        if len(chunk.block_table) * block_size < end:
+            raise ValueError(
+                f"block table of sequence {chunk.seq_id} covers "
+                f"{len(chunk.block_table) * block_size} positions, needs {end}"
+            )
+        ids.extend(chunk.token_ids)
+        table = chunk.block_table
+        for pos in range(chunk.start_pos, end):
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        starts.append(starts[-1] + n)
+        context_lens.append(end)
+        tables.append(table)
+        if n == 1:
+            decode_rows.append(b)
+        if all_rows or chunk.samples:
+            logit_rows.append(starts[-1] - 1)
+    width = max(len(t) for t in tables)
+    padded = [list(t) + [0] * (width - len(t)) for t in tables]
+
+    def tensor(values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return StepInputs(
+        input_ids=tensor(ids),
+        positions=tensor(positions),
+        slot_mapping=tensor(slots),
+        query_starts=tuple(starts),
+        context_lens=tuple(context_lens),
+        block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
+        decode_rows=tuple(decode_rows),
+        decode_index=tensor(decode_rows),
+        decode_context_lens=tensor([context_lens[b] for b in decode_rows]),
+        logit_rows=tensor(logit_rows),
+    )

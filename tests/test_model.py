@@ -1,0 +1,144 @@
+"""The forward pass against Hugging Face transformers, the numerical reference.
+
+Tiny random models of every supported architecture are written to disk by the test
+(``write_tiny_model``), loaded through our loader and through transformers, and compared
+logit for logit (float32, tight tolerance) with prompt lengths that cross KV block
+boundaries, in whole, chunked and ragged batched steps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from furnace_trio.hf_loader import load_hf_directory
+from furnace_trio.plan import ChunkPlan, StepPlan
+from furnace_trio.runner import ModelRunner, RunnerConfig
+
+from ._model_fixtures import write_tiny_model
+
+BLOCK = 4
+TOL = 2e-5
+
+ARCHS = [
+    ("llama", False, False),
+    ("llama", True, True),
+    ("mistral", False, False),
+    ("qwen2", True, False),
+    ("qwen2", False, False),
+    ("qwen3", True, False),
+    ("qwen3", False, False),
+]
+
+
+def _runner(path: Path) -> ModelRunner:
+    config, weights = load_hf_directory(path)
+    return ModelRunner(
+        config, weights, RunnerConfig(device="cpu", kv_cache_bytes=1 << 22, block_size=BLOCK)
+    )
+
+
+def _reference(path: Path) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    return model.eval()
+
+
+def _ref_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def _table(first: int, n: int = 16) -> tuple[int, ...]:
+    return tuple(range(first, first + n))
+
+
+@pytest.fixture(
+    params=ARCHS,
+    ids=lambda a: f"{a[0]}-{'tied' if a[1] else 'untied'}{'-llama3rope' if a[2] else ''}",
+)
+def tiny(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> tuple[ModelRunner, torch.nn.Module, int]:
+    arch, tied, rope3 = request.param
+    path = write_tiny_model(tmp_path, arch, tied=tied, rope_llama3=rope3)
+    runner = _runner(path)
+    return runner, _reference(path), runner.config.vocab_size
+
+
+def test_prefill_then_decode_matches_transformers(
+    tiny: tuple[ModelRunner, torch.nn.Module, int],
+) -> None:
+    runner, ref, vocab = tiny
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (23,), generator=gen).tolist()
+    expected = _ref_logits(ref, ids)
+    table = _table(0)
+    prompt = 13  # crosses three block boundaries
+    got = runner.logits(StepPlan((ChunkPlan(1, tuple(ids[:prompt]), 0, table),)))
+    torch.testing.assert_close(got[0], expected[prompt - 1], atol=TOL, rtol=TOL)
+    for pos in range(prompt, len(ids)):
+        got = runner.logits(StepPlan((ChunkPlan(1, (ids[pos],), pos, table),)))
+        torch.testing.assert_close(got[0], expected[pos], atol=TOL, rtol=TOL)
+
+
+def test_chunked_prefill_matches_whole(tiny: tuple[ModelRunner, torch.nn.Module, int]) -> None:
+    runner, ref, vocab = tiny
+    ids = torch.randint(0, vocab, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    expected = _ref_logits(ref, ids)
+    table = _table(3)
+    pos = 0
+    for size in (7, 1, 9, 13):
+        got = runner.logits(StepPlan((ChunkPlan(5, tuple(ids[pos : pos + size]), pos, table),)))
+        pos += size
+        torch.testing.assert_close(got[0], expected[pos - 1], atol=TOL, rtol=TOL)
+
+
+def test_ragged_batch_matches_each_alone(tiny: tuple[ModelRunner, torch.nn.Module, int]) -> None:
+    """Prefills, chunks and decodes of different lengths share one step."""
+    runner, ref, vocab = tiny
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (17, 9, 22, 5)]
+    expected = [_ref_logits(ref, s) for s in seqs]
+    tables = [_table(16 * i) for i in range(len(seqs))]
+    # Step 1: different prefill lengths (one sequence only partly).
+    first = [11, 9, 6, 5]
+    plan = StepPlan(
+        tuple(ChunkPlan(i, tuple(s[: first[i]]), 0, tables[i]) for i, s in enumerate(seqs))
+    )
+    got = runner.logits(plan)
+    for i in range(len(seqs)):
+        torch.testing.assert_close(got[i], expected[i][first[i] - 1], atol=TOL, rtol=TOL)
+    # Step 2: decodes next to a prefill chunk, at different positions.
+    chunks = (
+        ChunkPlan(0, (seqs[0][11],), 11, tables[0]),
+        ChunkPlan(2, tuple(seqs[2][6:20]), 6, tables[2]),
+        ChunkPlan(3, (seqs[3][4],), 4, tables[3]),
+    )
+    # seq 3 re-decodes its last prompt position: overwriting a slot with the same K/V is harmless
+    got = runner.logits(StepPlan(chunks))
+    torch.testing.assert_close(got[0], expected[0][11], atol=TOL, rtol=TOL)
+    torch.testing.assert_close(got[1], expected[2][19], atol=TOL, rtol=TOL)
+    torch.testing.assert_close(got[2], expected[3][4], atol=TOL, rtol=TOL)
+
+
+def test_block_copy_forks_a_sequence(tiny: tuple[ModelRunner, torch.nn.Module, int]) -> None:
+    """A child sharing full blocks and a copied partial block decodes like its parent."""
+    runner, ref, vocab = tiny
+    ids = torch.randint(0, vocab, (10,), generator=torch.Generator().manual_seed(4)).tolist()
+    expected = _ref_logits(ref, ids)
+    parent = (0, 1, 2)
+    runner.logits(StepPlan((ChunkPlan(1, tuple(ids[:9]), 0, parent),)))
+    child = (0, 1, 7)  # block 2 holds position 8 (partial): the child gets a copy in block 7
+    got = runner.logits(StepPlan((ChunkPlan(2, (ids[9],), 9, child),), block_copies=((2, 7),)))
+    torch.testing.assert_close(got[0], expected[9], atol=TOL, rtol=TOL)
+
+
+def test_plan_with_short_block_table_is_refused(
+    tiny: tuple[ModelRunner, torch.nn.Module, int],
+) -> None:
+    runner, _, _ = tiny
+    with pytest.raises(ValueError, match="block table"):
+        runner.logits(StepPlan((ChunkPlan(1, tuple(range(9)), 0, (0, 1)),)))
