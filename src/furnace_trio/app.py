@@ -19,7 +19,6 @@ Lifecycle (see ``TRIO-NOTES.md``):
 from __future__ import annotations
 
 import hmac
-import inspect
 import logging
 import time
 import uuid
@@ -171,10 +170,7 @@ def create_app(
     async def stop_backend() -> None:
         backend = state.backend
         if backend is not None:
-            result = backend.engine.shutdown()
-            if inspect.isawaitable(result):
-                with trio.move_on_after(5):
-                    await result
+            backend.engine.shutdown()
         if state.engine_scope is not None:
             state.engine_scope.cancel()
 
@@ -388,7 +384,7 @@ def _register_routes(app: QuartTrio, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        body = await request.get_data(cache=False)
+        body = await _read_body()
         backend = state.serving_backend()
         parsed = parse_chat_request(body, vocab_size=backend.tokenizer.vocab_size)
         _check_model(backend, parsed.model)
@@ -397,7 +393,7 @@ def _register_routes(app: QuartTrio, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions() -> Response:
-        body = await request.get_data(cache=False)
+        body = await _read_body()
         backend = state.serving_backend()
         parsed = parse_completion_request(body, vocab_size=backend.tokenizer.vocab_size)
         _check_model(backend, parsed.model)
@@ -406,6 +402,12 @@ def _register_routes(app: QuartTrio, state: ServerState) -> None:
         else:
             prompt_ids = parsed.prompt
         return await _generate(backend, "completion", parsed, prompt_ids, "prompt")
+
+
+async def _read_body() -> bytes:
+    """The raw body bytes (413 past ``MAX_CONTENT_LENGTH``); parsing is ours, see protocol."""
+    data = await request.get_data(cache=False, as_text=False)
+    return data if isinstance(data, bytes) else data.encode()
 
 
 def _render_chat(backend: Backend, parsed: ChatRequest) -> tuple[int, ...]:
