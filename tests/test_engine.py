@@ -277,7 +277,7 @@ async def test_abort_while_queued() -> None:
     async with serving(runner, EngineConfig(max_running=1, max_step_tokens=8)) as engine:
         stream_a = engine.submit(request("A", max_tokens=20))
         stream_b = engine.submit(request("B", max_tokens=20))
-        await trio.lowlevel.checkpoint()
+        assert isinstance(await stream_a.__anext__(), Admitted)
         assert engine.statistics().waiting == 1
         stream_b.close()
         stream_b.close()  # idempotent
