@@ -91,6 +91,13 @@ class _ChatSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
     intercepted_binops = frozenset({"*", "**"})
 
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        # Jinja returns an Undefined that only raises when used further, so
+        # ``{{ f.__globals__ }}`` would print "" and pass silently: refuse outright.
+        raise jinja2.sandbox.SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
+        )
+
     def call_binop(
         self, context: jinja2.runtime.Context, operator_: str, left: Any, right: Any
     ) -> Any:
