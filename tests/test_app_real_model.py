@@ -1,0 +1,139 @@
+"""End to end: the real default model behind a real hypercorn socket, the official SDK.
+
+These run the whole stack (HTTP -> engine -> runner -> SmolLM2) and check what a user of
+the SDK sees; the scripted-model HTTP tests cover the protocol details exhaustively.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import openai
+import trio
+
+from furnace_trio.app import create_app
+from furnace_trio.backend import Backend
+from furnace_trio.config import ServerConfig
+from furnace_trio.engine import Engine, EngineConfig
+
+from .http_server import serve_app
+from .real_model import default_model, default_runner
+
+NAME = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+@asynccontextmanager
+async def serve_real(**config: Any) -> AsyncIterator[tuple[str, Engine]]:
+    model = default_model()
+    engines: list[Engine] = []
+
+    def factory(cfg: ServerConfig) -> Backend:
+        runner = default_runner()
+        engine = Engine(
+            runner,
+            decode=model.tokenizer.decode,
+            eos_token_ids=model.tokenizer.eos_token_ids,
+            token_bytes=model.tokenizer.token_to_bytes,
+            config=EngineConfig(max_running=8, max_step_tokens=256),
+        )
+        engines.append(engine)
+        return Backend(engine, model.tokenizer, NAME, runner.max_context)
+
+    app = create_app(ServerConfig(**config), backend_factory=factory)
+    async with serve_app(app) as url:
+        yield url, engines[0]
+
+
+async def _idle(engine: Engine) -> None:
+    for _ in range(500):
+        s = engine.statistics()
+        if s.running == 0 and s.waiting == 0 and s.kv_blocks_used == 0:
+            return
+        await trio.sleep(0.01)
+    raise AssertionError(f"engine not idle: {engine.statistics()}")
+
+
+async def test_chat_streaming_and_not_with_the_real_model() -> None:
+    async with (
+        serve_real() as (url, engine),
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client,
+    ):
+        models = await client.models.list()
+        assert [m.id for m in models.data] == [NAME]
+
+        reply = await client.chat.completions.create(
+            model=NAME, messages=QUESTION, temperature=0, max_tokens=40
+        )
+        text = reply.choices[0].message.content or ""
+        assert "Paris" in text
+        assert reply.choices[0].finish_reason == "stop"
+        assert reply.usage is not None and reply.usage.completion_tokens > 0
+
+        stream = await client.chat.completions.create(
+            model=NAME,
+            messages=QUESTION,
+            temperature=0,
+            max_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        pieces: list[str] = []
+        usage = None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                pieces.append(choice.delta.content or "")
+        assert "".join(pieces) == text  # the same greedy answer, streamed
+        assert usage is not None
+        assert usage.completion_tokens == reply.usage.completion_tokens
+        await _idle(engine)
+
+
+async def test_completions_n2_seeded_and_logprobs_with_the_real_model() -> None:
+    async with (
+        serve_real() as (url, engine),
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client,
+    ):
+        kwargs: dict[str, Any] = dict(
+            model=NAME, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=7, n=2
+        )
+        first = await client.completions.create(**kwargs)
+        second = await client.completions.create(**kwargs)
+        assert [c.text for c in first.choices] == [c.text for c in second.choices]
+        assert len(first.choices) == 2
+
+        lp = await client.completions.create(
+            model=NAME, prompt="The sky is", max_tokens=4, temperature=0, logprobs=3
+        )
+        logprobs = lp.choices[0].logprobs
+        assert logprobs is not None and logprobs.token_logprobs is not None
+        assert len(logprobs.token_logprobs) == len(logprobs.tokens or []) > 0
+        assert all(v is not None and v <= 0 for v in logprobs.token_logprobs)
+        assert logprobs.top_logprobs is not None and all(len(t) == 3 for t in logprobs.top_logprobs)
+        await _idle(engine)
+
+
+async def test_disconnect_mid_stream_frees_the_real_sequence() -> None:
+    async with serve_real() as (url, engine):
+
+        def stream_a_little() -> None:
+            with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+                stream = client.chat.completions.create(
+                    model=NAME,
+                    messages=[{"role": "user", "content": "Tell me a very long story."}],
+                    max_tokens=400,
+                    stream=True,
+                )
+                for i, _ in enumerate(stream):
+                    if i == 3:
+                        break
+                stream.close()  # the client goes away mid-stream
+
+        await trio.to_thread.run_sync(stream_a_little)
+        await _idle(engine)
+        stats = engine.statistics()
+        assert stats.requests.get("aborted", 0) == 1
