@@ -17,6 +17,8 @@ Device = Literal["cpu", "cuda", "auto"]
 DEVICES: tuple[str, ...] = ("cpu", "cuda", "auto")
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: Tool-call output formats (``auto``: from the model's chat template, see docs/tools.md).
+TOOL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3", "mistral")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -46,12 +48,17 @@ class ServerConfig:
     max_context: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "INFO"
+    tool_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.tool_parser not in TOOL_PARSERS:
+            raise ConfigError(
+                f"tool parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}"
+            )
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(
                 f"log level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
@@ -119,6 +126,7 @@ class ServerConfig:
             if max_body_bytes is not None
             else defaults.max_body_bytes,
             log_level=choice("FURNACE_LOG_LEVEL", LOG_LEVELS, upper=True) or defaults.log_level,
+            tool_parser=choice("FURNACE_TOOL_PARSER", TOOL_PARSERS) or defaults.tool_parser,
         )
 
     @property
