@@ -354,14 +354,14 @@ class ToolCallParser:
         items = value if isinstance(value, list) else [value]
         parsed: list[tuple[str, dict[str, Any]]] = []
         for item in items:
-            call = _as_call(item)
-            if call is None:
+            found = _as_call(item)
+            if found is None:
                 self._reject(body, FallbackReason.NOT_A_CALL, body[:80], out)
                 return
-            if self.tools and call[0] not in self.tools:
-                self._reject(body, FallbackReason.UNKNOWN_TOOL, call[0], out)
+            if self.tools and found[0] not in self.tools:
+                self._reject(body, FallbackReason.UNKNOWN_TOOL, found[0], out)
                 return
-            parsed.append(call)
+            parsed.append(found)
         if not parsed:
             self._reject(body, FallbackReason.NOT_A_CALL, "empty list", out)
             return
@@ -410,12 +410,13 @@ def _as_call(item: object) -> tuple[str, dict[str, Any]] | None:
     """
     if not isinstance(item, dict):
         return None
-    if isinstance(item.get("function"), dict) and "name" not in item:
-        item = item["function"]
-    name = item.get("name")
+    obj: dict[str, Any] = item
+    if isinstance(obj.get("function"), dict) and "name" not in obj:
+        obj = obj["function"]
+    name = obj.get("name")
     if not isinstance(name, str) or not name:
         return None
-    arguments = item.get("arguments", item.get("parameters", {}))
+    arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
