@@ -12,19 +12,50 @@ would write their next token into the same slot, so a fork copies it instead::
 Invariants: ``num_free + num_used == num_blocks``; a block is in the free list exactly when
 its refcount is 0; ``allocate`` either returns ``n`` blocks or ``None`` and changes nothing.
 
-Prefix caching (a later addition) slots in without a rewrite: a full block gets a content
-key (the hash of every token up to and including it); when its refcount drops to 0 it goes
-to an LRU of *evictable* cached blocks instead of the free list (:meth:`_release` is the one
-place that decides), ``allocate`` takes from the free list first and then evicts from that
-LRU, and a lookup by key increfs a cached block (reviving it from the LRU). ``num_free``
-then counts free plus evictable blocks, so admission needs no change.
+Prefix cache. A full block may carry a content *key*: the chain hash of every token up to
+and including it (:func:`block_key`), so equal keys mean equal prefixes, not just equal
+blocks. A keyed block whose refcount drops to 0 goes to an LRU of *evictable* blocks
+instead of the free list (:meth:`_release` is the one place that decides); it keeps its KV
+and its key, so a later request with the same prefix revives it (:meth:`acquire`).
+:meth:`allocate` takes from the free list first and evicts from that LRU only when it must.
+``num_free`` counts free plus evictable blocks, so admission needs no change::
+
+    free list   [9, 4]            never keyed (or evicted): no content worth keeping
+    evictable   [2, 7] (LRU)      refcount 0, keyed, revivable until allocate() needs them
+    used        {3: 2, 5: 1, ..}  refcount >= 1 (running sequences, session pins)
+
+A keyed block is never written again: only *full* blocks get keys, and a sequence only
+writes positions past its last full block. Keys are 16-byte BLAKE2b digests over the
+parent's key and the block's token ids, so a collision (which would silently hand one
+request another's KV) is as unlikely as a cryptographic one; reuse is by exact prefix only.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+BlockKey = bytes
+
+
+def block_key(parent: BlockKey | None, token_ids: Sequence[int]) -> BlockKey:
+    """The chain key of a full block: a hash of its parent's key and its own token ids."""
+    digest = hashlib.blake2b(parent or b"", digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+def prefix_keys(token_ids: Sequence[int], block_size: int) -> list[BlockKey]:
+    """The keys of every full block of ``token_ids`` (a partial tail has none)."""
+    keys: list[BlockKey] = []
+    parent: BlockKey | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_key(parent, token_ids[start : start + block_size])
+        keys.append(parent)
+    return keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,11 +67,26 @@ class Fork:
 
 
 class BlockPool:
-    """Refcounted KV blocks. Plain Python: touched only by the scheduler, on one thread."""
+    """Refcounted KV blocks with a prefix cache. Plain Python, used by one thread.
 
-    __slots__ = ("_free", "_refcounts", "block_size", "num_blocks")
+    Invariants: ``len(free list) + len(evictable) + used == num_blocks``; a block is in the
+    free list or the evictable LRU exactly when its refcount is 0, and in the LRU exactly
+    when it also has a key; ``key -> block`` and ``block -> key`` are inverse maps.
+    """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    __slots__ = (
+        "_block_keys",
+        "_cached",
+        "_evictable",
+        "_free",
+        "_refcounts",
+        "block_size",
+        "caching",
+        "evictions",
+        "num_blocks",
+    )
+
+    def __init__(self, num_blocks: int, block_size: int, *, caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be at least 1")
         if block_size < 1:
@@ -49,16 +95,27 @@ class BlockPool:
         self.block_size = block_size
         self._refcounts = [0] * num_blocks
         # FIFO reuse: a just-freed block is reused last, which keeps stale-block bugs visible
-        # in tests (and is the order a prefix cache's LRU would want anyway).
+        # in tests.
         self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._cached: dict[BlockKey, int] = {}
+        self._block_keys: list[BlockKey | None] = [None] * num_blocks
+        self.evictions = 0
+        self.caching = caching  # False: register() keys nothing, so nothing is ever reused
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an ``allocate`` could hand out: free plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding a key (used or evictable)."""
+        return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` token slots."""
@@ -68,14 +125,27 @@ class BlockPool:
         return self._refcounts[block]
 
     def allocate(self, n: int) -> list[int] | None:
-        """``n`` fresh blocks with refcount 1, or ``None`` (and nothing taken) without room."""
+        """``n`` fresh blocks with refcount 1, or ``None`` (and nothing taken) without room.
+
+        Evicts least-recently-used cached blocks once the free list is empty.
+        """
         if n < 0:
             raise ValueError("cannot allocate a negative number of blocks")
-        if n > len(self._free):
+        if n > self.num_free:
             return None
-        blocks = [self._free.popleft() for _ in range(n)]
-        for block in blocks:
+        blocks: list[int] = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                key = self._block_keys[block]
+                self._block_keys[block] = None
+                if key is not None:
+                    del self._cached[key]
+                self.evictions += 1
             self._refcounts[block] = 1
+            blocks.append(block)
         return blocks
 
     def incref(self, blocks: Iterable[int]) -> None:
@@ -95,6 +165,56 @@ class BlockPool:
             if count == 1:
                 self._release(block)
 
+    # -- prefix cache -----------------------------------------------------------------------
+
+    def match(self, keys: Iterable[BlockKey]) -> list[int]:
+        """The cached blocks of the longest prefix of ``keys`` (nothing is referenced)."""
+        blocks: list[int] = []
+        for key in keys:
+            block = self._cached.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def num_evictable(self, blocks: Iterable[int]) -> int:
+        """How many of ``blocks`` are unreferenced: acquiring them shrinks ``num_free``."""
+        return sum(1 for b in blocks if self._refcounts[b] == 0)
+
+    def acquire(self, blocks: Iterable[int]) -> None:
+        """Reference cached blocks (from :meth:`match`), reviving evictable ones."""
+        for block in blocks:
+            if self._block_keys[block] is None:
+                raise ValueError(f"block {block} is not cached")
+            if self._refcounts[block] == 0:
+                del self._evictable[block]
+            self._refcounts[block] += 1
+
+    def register(self, block: int, key: BlockKey) -> bool:
+        """Give a used, full block its key. Whether it is now the key's cached block.
+
+        ``False`` when another block holds the key already (two requests computed the same
+        prefix at once): that one stays the cached copy, this one is freed normally.
+        """
+        if self._refcounts[block] < 1:
+            raise ValueError(f"block {block} is free; only used blocks can be cached")
+        if not self.caching:
+            return False
+        current = self._block_keys[block]
+        if current is not None:
+            if current != key:
+                raise ValueError(f"block {block} is cached under another key")
+            return True
+        if key in self._cached:
+            return False
+        self._cached[key] = block
+        self._block_keys[block] = key
+        return True
+
+    def key_of(self, block: int) -> BlockKey | None:
+        return self._block_keys[block]
+
+    # -- sharing ----------------------------------------------------------------------------
     def fork(self, block_table: Sequence[int], num_tokens: int) -> Fork | None:
         """A child sharing the first ``num_tokens`` tokens of ``block_table``.
 
@@ -118,5 +238,7 @@ class BlockPool:
         return Fork(block_table=shared_table, copies=copies)
 
     def _release(self, block: int) -> None:
-        # The prefix cache hooks in here: a cached full block would go to the evictable LRU.
-        self._free.append(block)
+        if self._block_keys[block] is not None:
+            self._evictable[block] = None  # most recently used at the end
+        else:
+            self._free.append(block)

@@ -20,20 +20,27 @@ and :meth:`Engine.abort`, which run on the same Trio thread, so there are no loc
   turns false and :meth:`Engine.submit` raises :class:`EngineUnavailable`: no request
   ever hangs. :meth:`Engine.run` then returns instead of raising, because an exception
   escaping quart-trio's lifespan nursery is only logged while the server goes on.
+- Prefix cache and sessions: the block pool keeps finished requests' full blocks cached
+  (see :mod:`~furnace_trio.block_pool`); :class:`Admitted` reports the reused tokens. A
+  request carrying a session :class:`~furnace_trio.sessions.Turn` pins its KV when it
+  finishes; the handler then commits the reply (:meth:`Engine.commit_turn`) and always ends
+  the turn (:meth:`Engine.end_turn`; :meth:`Engine.abort` ends it too), so a turn that is
+  cancelled or fails leaves its session exactly as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import logging
 import math
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 import trio
 
@@ -41,7 +48,15 @@ from .block_pool import BlockPool
 from .detokenizer import IncrementalDetokenizer
 from .params import SamplingParams
 from .plan import SampledToken, StepRunner
-from .scheduler import FinishReason, SampleOutput, ScheduledStep, Scheduler, StepMismatch
+from .scheduler import (
+    FinishReason,
+    KeptKV,
+    SampleOutput,
+    ScheduledStep,
+    Scheduler,
+    StepMismatch,
+)
+from .sessions import Session, SessionStore, Turn, TurnState
 from .stats import EngineMetrics, EngineStatistics
 from .stop_strings import StopStringMatcher
 
@@ -73,8 +88,18 @@ class EngineConfig:
     max_waiting: int = 256  # queued requests before EngineBusy
     max_step_tokens: int = 512  # tokens per step (decode tokens + prefill chunks)
     max_context: int | None = None  # default runner.max_context
+    session_ttl_s: float = 1800.0  # idle sessions expire after this
+    session_max_blocks: int | None = None  # pinned KV of all sessions; None: half the pool
+    max_sessions: int = 1024
+    prefix_cache: bool = True  # reuse cached KV of equal prompt prefixes
 
     def __post_init__(self) -> None:
+        if self.session_ttl_s <= 0:
+            raise ValueError("session_ttl_s must be > 0")
+        if self.session_max_blocks is not None and self.session_max_blocks < 0:
+            raise ValueError("session_max_blocks must be >= 0")
+        if self.max_sessions < 1:
+            raise ValueError("max_sessions must be at least 1")
         if self.max_running < 1:
             raise ValueError("max_running must be at least 1")
         if self.max_waiting < 0:
@@ -179,6 +204,7 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     request_id: str = field(default_factory=_new_request_id)
+    turn: Turn | None = None  # the session turn this request is (n == 1 only)
 
 
 # -- engine -> stream messages ----------------------------------------------------------------
@@ -222,6 +248,15 @@ class _Request:
     any_length: bool = False
 
 
+@dataclass(slots=True, eq=False)
+class _TurnRun:
+    """A session turn's request: the seed it samples with and, once it finished, its pins."""
+
+    turn: Turn
+    seed: int | None
+    kept: KeptKV | None = None
+
+
 class Engine:
     """Continuous batching over one runner. See the module docstring for the design."""
 
@@ -239,7 +274,7 @@ class Engine:
         self._token_bytes = token_bytes
         self.config = config
         self.max_context = min(config.max_context or runner.max_context, runner.max_context)
-        self._pool = BlockPool(runner.num_blocks, runner.block_size)
+        self._pool = BlockPool(runner.num_blocks, runner.block_size, caching=config.prefix_cache)
         self._scheduler = Scheduler(
             self._pool,
             max_running=config.max_running,
@@ -248,6 +283,16 @@ class Engine:
             eos_token_ids=eos_token_ids,
         )
         self._requests: dict[str, _Request] = {}
+        self._turns: dict[str, _TurnRun] = {}  # by request id, until the turn ends
+        max_blocks = config.session_max_blocks
+        self.sessions = SessionStore(
+            ttl_s=config.session_ttl_s,
+            max_blocks=runner.num_blocks // 2 if max_blocks is None else max_blocks,
+            max_sessions=config.max_sessions,
+            release=self._pool.free,
+        )
+        self._scheduler.reclaim = self._reclaim
+        self._next_expiry = 0.0
         self._limiter = trio.CapacityLimiter(1)
         self._wake = trio.Event()
         self._state = _State.NEW
@@ -293,13 +338,63 @@ class Engine:
             raise
 
     def abort(self, request_id: str) -> None:
-        """Drop a request in any state, freeing its KV blocks now. Idempotent."""
+        """Drop a request in any state, freeing its KV blocks now; end its session turn
+        uncommitted if it has one. Idempotent."""
         request = self._requests.pop(request_id, None)
-        if request is None:
-            return
-        self._scheduler.abort(request_id)
-        self._metrics.count("aborted")
-        request.send.close()
+        if request is not None:
+            self._scheduler.abort(request_id)
+            self._metrics.count("aborted")
+            request.send.close()
+        run = self._turns.get(request_id)
+        if run is not None:
+            self.end_turn(run.turn)
+
+    # -- sessions -------------------------------------------------------------------------
+
+    def begin_turn(
+        self, session_id: str, owner: str, new_messages: Sequence[Mapping[str, Any]]
+    ) -> Turn:
+        """Start a session turn (creating the session); raises ``SessionBusy``,
+        ``SessionNotFound`` or ``ValueError``. The caller must :meth:`end_turn` it."""
+        return self.sessions.begin_turn(session_id, owner, new_messages, trio.current_time())
+
+    def commit_turn(self, turn: Turn, reply: Mapping[str, Any]) -> bool:
+        """Append the finished turn and its ``reply`` to the session, with the KV its
+        request pinned. ``False`` (nothing changed) unless its request finished."""
+        run = self._turns.get(turn.request_id or "")
+        if run is None or run.kept is None or turn.state is not TurnState.OPEN:
+            return False
+        kept, run.kept = run.kept, None
+        self.sessions.commit(
+            turn,
+            reply,
+            token_ids=kept.token_ids,
+            blocks=kept.blocks,
+            output_token_ids=kept.output_token_ids,
+            seed=run.seed,
+            now=trio.current_time(),
+        )
+        return True
+
+    def end_turn(self, turn: Turn) -> None:
+        """Free the session for its next turn; uncommitted pins are dropped. Idempotent,
+        never awaits (safe in ``finally`` and under cancellation)."""
+        run = self._turns.pop(turn.request_id or "", None)
+        if run is not None:
+            kept = run.kept or self._scheduler.pop_kept(turn.request_id or "")
+            if kept is not None:
+                self._pool.free(kept.blocks)
+        self.sessions.end_turn(turn, trio.current_time())
+
+    def get_session(self, session_id: str, owner: str) -> Session:
+        return self.sessions.get(session_id, owner, trio.current_time())
+
+    def delete_session(self, session_id: str, owner: str) -> None:
+        self.sessions.delete(session_id, owner, trio.current_time())
+
+    def _reclaim(self, num_blocks: int) -> None:
+        self.sessions.expire(trio.current_time())
+        self.sessions.reclaim(num_blocks)
 
     def shutdown(self) -> None:
         """Stop admitting (submit raises :class:`EngineUnavailable`) and fail the waiting
@@ -318,6 +413,10 @@ class Engine:
             kv_used=self._pool.num_used,
             kv_total=self._pool.num_blocks,
             alive=self.alive,
+            prefix_queries=self._scheduler.prefix_queries,
+            prefix_hits=self._scheduler.prefix_hits,
+            sessions=len(self.sessions),
+            session_pinned_blocks=self.sessions.pinned_blocks,
         )
 
     # -- submission -----------------------------------------------------------------------
@@ -349,12 +448,23 @@ class Engine:
             raise RequestTooLarge(
                 f"the request needs {needed} KV blocks; the server has {self._pool.num_blocks}"
             )
-        if request.request_id in self._requests:
+        if request.request_id in self._requests or request.request_id in self._turns:
             raise RequestRejected(f"request id {request.request_id!r} is in use", param=None)
+        turn = request.turn
+        if turn is not None:
+            if params.n != 1:
+                raise RequestRejected("a session turn samples one choice (n=1)", param="n")
+            if turn.state is not TurnState.OPEN or turn.request_id is not None:
+                raise RequestRejected("this session turn has a request already", param=None)
         if self._scheduler.num_waiting >= self.config.max_waiting:
             raise EngineBusy(f"{self._scheduler.num_waiting} requests are waiting")
+        if turn is not None:
+            seed = self.sessions.seed_for(turn, params.seed)
+            params = dataclasses.replace(params, seed=seed)
+            turn.request_id = request.request_id
+            self._turns[request.request_id] = _TurnRun(turn, seed)
         send, receive = trio.open_memory_channel[_Message](math.inf)
-        self._scheduler.add(request.request_id, prompt, params)
+        self._scheduler.add(request.request_id, prompt, params, keep_kv=turn is not None)
         self._requests[request.request_id] = _Request(
             request_id=request.request_id,
             num_prompt_tokens=len(prompt),
@@ -373,6 +483,10 @@ class Engine:
         while True:
             if self._state is _State.SHUTTING_DOWN and not self._scheduler.has_work:
                 return
+            now = trio.current_time()
+            if now >= self._next_expiry:
+                self.sessions.expire(now)
+                self._next_expiry = now + 1.0
             step = self._scheduler.schedule()
             if step is None:
                 self._wake = trio.Event()
@@ -403,14 +517,14 @@ class Engine:
 
     def _on_admitted(self, step: ScheduledStep) -> None:
         now = trio.current_time()
-        for request_id in step.admitted:
+        for request_id, cached in zip(step.admitted, step.cached_tokens, strict=True):
             request = self._requests.get(request_id)
             if request is None:
                 continue
             queue_time = now - request.submitted_at
             self._metrics.queue_time.observe(queue_time)
             self._metrics.prompt_tokens_total += request.num_prompt_tokens
-            self._send(request, Admitted(request.num_prompt_tokens, 0, queue_time))
+            self._send(request, Admitted(request.num_prompt_tokens, cached, queue_time))
 
     def _deliver(self, outputs: list[SampleOutput], now: float) -> None:
         metrics = self._metrics
@@ -451,6 +565,9 @@ class Engine:
             return
         if request.live == 0:
             del self._requests[request.request_id]
+            run = self._turns.get(request.request_id)
+            if run is not None:
+                run.kept = self._scheduler.pop_kept(request.request_id)
             self._metrics.count("finished_length" if request.any_length else "finished_stop")
             self._metrics.e2e_latency.observe(trio.current_time() - request.submitted_at)
             request.send.close()

@@ -89,6 +89,28 @@ def render_metrics(
             "Tokens generated.",
             stats.generation_tokens_total,
         )
+        _metric(
+            lines,
+            "furnace_prefix_cache_queries_total",
+            "counter",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries_total,
+        )
+        _metric(
+            lines,
+            "furnace_prefix_cache_hits_total",
+            "counter",
+            "Prompt tokens found in the prefix cache (not computed).",
+            stats.prefix_cache_hits_total,
+        )
+        _metric(lines, "furnace_sessions", "gauge", "Sessions kept.", stats.sessions)
+        _metric(
+            lines,
+            "furnace_session_pinned_blocks",
+            "gauge",
+            "KV blocks pinned by sessions.",
+            stats.session_pinned_blocks,
+        )
         for attribute, name, help_text in _HISTOGRAMS:
             _histogram(lines, name, help_text, getattr(stats, attribute))
     lines.append("# HELP furnace_http_responses_total HTTP responses by status code.")

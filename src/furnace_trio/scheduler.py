@@ -29,6 +29,19 @@ for a small server. ``kv_blocks_used`` counts blocks really written, not reserva
 on forks the parent's blocks (full blocks shared, the partial last one copied through
 ``StepPlan.block_copies``), then the parent lets go of its blocks.
 
+Prefix cache: at admission the prompt's full blocks are looked up by chain key
+(:mod:`~furnace_trio.block_pool`); the longest cached run becomes the start of the block
+table and of ``num_computed_tokens``, so only the rest is computed. The match stops before
+the block holding the prompt's last token, which is always computed (its logits are
+sampled) and so never written into a shared block. The reservation shrinks by the blocks
+reused, and unreferenced cached blocks that the match revives are subtracted from the free
+count, so admission stays exact. After each step, blocks that became full get their keys.
+
+Sessions: a request added with ``keep_kv`` pins, when it finishes naturally, the cached
+blocks of everything it computed (:class:`KeptKV`, taken with :meth:`Scheduler.pop_kept`);
+an aborted or failed request keeps nothing. When the queue head does not fit, the
+``reclaim`` hook (the engine's session store) may drop pins and admission tries again.
+
 Aborts (:meth:`Scheduler.abort`) are synchronous and free blocks at once. That is safe
 while a step is in flight: blocks are only handed out again by the next ``schedule()``,
 which runs after that step has returned; :meth:`Scheduler.update` ignores tokens of
@@ -41,10 +54,10 @@ import dataclasses
 import enum
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .block_pool import BlockPool
+from .block_pool import BlockKey, BlockPool, block_key, prefix_keys
 from .params import SamplingParams
 from .plan import ChunkPlan, SampledToken, SampleSpec, StepPlan
 
@@ -84,6 +97,7 @@ class Seq:
     block_table: list[int] = field(default_factory=list)
     reserved_blocks: int = 0
     status: SeqStatus = SeqStatus.WAITING
+    block_keys: list[BlockKey] = field(default_factory=list)  # of block_table's first blocks
 
     @property
     def num_output_tokens(self) -> int:
@@ -102,6 +116,22 @@ class Group:
     samples: list[Seq] = field(default_factory=list)
     num_live: int = 0  # samples not finished
     status: SeqStatus = SeqStatus.WAITING
+    prompt_keys: tuple[BlockKey, ...] = ()  # chain keys of the prompt's full blocks
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache at admission
+    keep_kv: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class KeptKV:
+    """What a finished ``keep_kv`` request leaves pinned: one reference to each block.
+
+    ``token_ids`` are the tokens whose KV ``blocks`` hold (full blocks only);
+    ``output_token_ids`` is what the request generated (EOS excluded).
+    """
+
+    token_ids: tuple[int, ...]
+    blocks: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +140,7 @@ class ScheduledStep:
 
     plan: StepPlan
     admitted: tuple[str, ...]  # requests whose prefill starts in this step
+    cached_tokens: tuple[int, ...]  # per admitted request: prompt tokens from the cache
     request_ids: tuple[str, ...]  # every request with a chunk in the plan
     num_prefill_tokens: int
     num_decode_tokens: int
@@ -161,6 +192,12 @@ class Scheduler:
         self._num_slots = 0  # live samples of running requests
         self._released: list[int] = []
         self._copies: list[tuple[int, int, int]] = []  # (src, dst, child seq id)
+        self._kept: dict[str, KeptKV] = {}
+        #: Called with the number of blocks missing when the queue head does not fit; may
+        #: free pinned blocks (sessions). Admission then tries once more.
+        self.reclaim: Callable[[int], None] | None = None
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
 
     # -- sizes ------------------------------------------------------------------------------
 
@@ -195,18 +232,32 @@ class Scheduler:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
-        """Queue a request; the caller has checked it fits (see :meth:`blocks_needed`)."""
+    def add(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        keep_kv: bool = False,
+    ) -> None:
+        """Queue a request; the caller has checked it fits (see :meth:`blocks_needed`).
+
+        ``keep_kv`` (``n == 1`` only): pin its KV when it finishes, see :meth:`pop_kept`.
+        """
         if not prompt:
             raise ValueError("the prompt is empty")
         if self.contains(request_id):
             raise ValueError(f"request {request_id!r} exists already")
+        if keep_kv and params.n != 1:
+            raise ValueError("keep_kv needs n == 1")
         prompt = tuple(prompt)
         group = Group(
             request_id=request_id,
             prompt=prompt,
             params=params,
             blocks_needed=self.blocks_needed(len(prompt), params),
+            prompt_keys=tuple(prefix_keys(prompt, self.pool.block_size)),
+            keep_kv=keep_kv,
         )
         if params.n == 1:
             seq = self._new_seq(group, 0, params)
@@ -223,8 +274,12 @@ class Scheduler:
         self.waiting.append(group)
         self._waiting_ids[request_id] = group
 
-    def abort(self, request_id: str) -> bool:
-        """Drop a request in any state, freeing its blocks now. Whether it was known."""
+    def abort(self, request_id: str, *, keep: bool = False) -> bool:
+        """Drop a request in any state, freeing its blocks now. Whether it was known.
+
+        ``keep``: the request ended normally (a stop string), so a ``keep_kv`` request
+        still pins its KV; a plain abort (disconnect, failure) pins nothing.
+        """
         group = self._waiting_ids.pop(request_id, None)
         if group is not None:
             self.waiting.remove(group)
@@ -238,7 +293,7 @@ class Scheduler:
             group.prefill = None
         for seq in group.samples:
             if seq.status is not SeqStatus.FINISHED:
-                self._finish_seq(seq)
+                self._finish_seq(seq, keep=keep)
         return True
 
     def abort_sample(self, request_id: str, index: int) -> bool:
@@ -250,9 +305,13 @@ class Scheduler:
         if seq.status is SeqStatus.FINISHED:
             return False
         if group.params.n == 1:
-            return self.abort(request_id)
+            return self.abort(request_id, keep=True)
         self._finish_seq(seq)
         return True
+
+    def pop_kept(self, request_id: str) -> KeptKV | None:
+        """The pins a finished ``keep_kv`` request left; the caller owns (and frees) them."""
+        return self._kept.pop(request_id, None)
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -285,19 +344,27 @@ class Scheduler:
             budget -= take
         # 3. admission, first come first served
         admitted: list[str] = []
+        cached: list[int] = []
         while budget > 0 and self.waiting:
             group = self.waiting[0]
             if self._num_slots + group.params.n > self.max_running:
                 break
-            if self.pool.num_free - self._reserved < group.blocks_needed:
+            hit = self._match(group)
+            missing = self._shortage(group, hit)
+            if missing > 0 and self.reclaim is not None:
+                self.reclaim(missing)
+                hit = self._match(group)
+                missing = self._shortage(group, hit)
+            if missing > 0:
                 break
             self.waiting.popleft()
             del self._waiting_ids[group.request_id]
-            self._admit(group)
+            self._admit(group, hit)
             admitted.append(group.request_id)
+            cached.append(group.cached_tokens)
             request_ids.append(group.request_id)
             assert group.prefill is not None
-            take = min(len(group.prompt), budget)
+            take = min(len(group.prompt) - group.prefill.num_computed_tokens, budget)
             chunks.append(self._chunk(group.prefill, take))
             budget -= take
         if not chunks:
@@ -309,6 +376,7 @@ class Scheduler:
         return ScheduledStep(
             plan=plan,
             admitted=tuple(admitted),
+            cached_tokens=tuple(cached),
             request_ids=tuple(request_ids),
             num_prefill_tokens=self.max_step_tokens - budget - num_decode,
             num_decode_tokens=num_decode,
@@ -334,6 +402,7 @@ class Scheduler:
             if seq is None:
                 continue  # aborted while the step ran
             seq.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
+            self._register(seq)
             if not chunk.samples:
                 continue
             group = seq.group
@@ -379,7 +448,21 @@ class Scheduler:
         self._next_seq_id += 1
         return seq
 
-    def _admit(self, group: Group) -> None:
+    def _match(self, group: Group) -> list[int]:
+        """Cached blocks of the prompt's longest cached prefix, short of its last token."""
+        usable = (len(group.prompt) - 1) // self.pool.block_size
+        return self.pool.match(group.prompt_keys[:usable])
+
+    def _shortage(self, group: Group, hit: list[int]) -> int:
+        """Blocks missing to admit ``group`` reusing ``hit`` (<= 0: it fits).
+
+        Reused blocks need no reservation, but reviving unreferenced ones takes them out of
+        the free count that the other reservations rely on.
+        """
+        available = self.pool.num_free - self.pool.num_evictable(hit) - self._reserved
+        return group.blocks_needed - len(hit) - available
+
+    def _admit(self, group: Group, hit: list[int]) -> None:
         bs = self.pool.block_size
         prompt_len = len(group.prompt)
         last = prompt_len + group.params.max_tokens - 1
@@ -387,11 +470,18 @@ class Scheduler:
         self.running[group.request_id] = group
         self._num_slots += group.params.n
         assert group.prefill is not None
-        seqs = [group.prefill]
+        prefill = group.prefill
+        self.pool.acquire(hit)
+        prefill.block_table = list(hit)
+        prefill.block_keys = list(group.prompt_keys[: len(hit)])
+        prefill.num_computed_tokens = group.cached_tokens = len(hit) * bs
+        self.prefix_queries += prompt_len
+        self.prefix_hits += group.cached_tokens
+        seqs = [prefill]
         if group.params.n == 1:
-            group.prefill.reserved_blocks = self.pool.blocks_for(last)
+            prefill.reserved_blocks = self.pool.blocks_for(last) - len(hit)
         else:
-            group.prefill.reserved_blocks = self.pool.blocks_for(prompt_len)
+            prefill.reserved_blocks = self.pool.blocks_for(prompt_len) - len(hit)
             for child in group.samples:
                 child.reserved_blocks = self.pool.blocks_for(last) - prompt_len // bs
                 seqs.append(child)
@@ -444,10 +534,35 @@ class Scheduler:
         if fork is None or len(fork.copies) > child.reserved_blocks:
             raise RuntimeError(f"seq {child.seq_id} could not fork its parent (a scheduler bug)")
         child.block_table = list(fork.block_table)
+        child.block_keys = list(parent.block_keys[: prompt_len // self.pool.block_size])
         child.num_computed_tokens = prompt_len
         child.reserved_blocks -= len(fork.copies)
         self._reserved -= len(fork.copies)
         self._copies.extend((src, dst, child.seq_id) for src, dst in fork.copies)
+
+    def _register(self, seq: Seq) -> None:
+        """Key the blocks that became full (their KV is written once the step returned)."""
+        bs = self.pool.block_size
+        keys = seq.block_keys
+        prompt_keys = seq.group.prompt_keys
+        for i in range(len(keys), seq.num_computed_tokens // bs):
+            if i < len(prompt_keys):
+                key = prompt_keys[i]
+            else:
+                key = block_key(keys[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs])
+            self.pool.register(seq.block_table[i], key)
+            keys.append(key)
+
+    def _keep(self, seq: Seq) -> None:
+        """Pin the cached blocks of what ``seq`` computed, for its request's session."""
+        blocks = self.pool.match(seq.block_keys)
+        self.pool.acquire(blocks)
+        num_tokens = len(blocks) * self.pool.block_size
+        self._kept[seq.group.request_id] = KeptKV(
+            token_ids=tuple(seq.token_ids[:num_tokens]),
+            blocks=tuple(blocks),
+            output_token_ids=tuple(seq.token_ids[len(seq.group.prompt) :]),
+        )
 
     def _append(self, seq: Seq, token: SampledToken) -> SampleOutput:
         params = seq.params
@@ -455,11 +570,11 @@ class Scheduler:
         rid = seq.group.request_id
         index = seq.index if seq.index is not None else 0
         if (not params.ignore_eos and tid in self.eos_token_ids) or tid in params.stop_token_ids:
-            self._finish_seq(seq)
+            self._finish_seq(seq, keep=True)
             return SampleOutput(rid, index, None, FinishReason.STOP)
         seq.token_ids.append(tid)
         if seq.num_output_tokens >= params.max_tokens:
-            self._finish_seq(seq)
+            self._finish_seq(seq, keep=True)
             return SampleOutput(rid, index, token, FinishReason.LENGTH)
         return SampleOutput(rid, index, token, None)
 
@@ -474,9 +589,14 @@ class Scheduler:
         if self._seqs.pop(seq.seq_id, None) is not None and release:
             self._released.append(seq.seq_id)
 
-    def _finish_seq(self, seq: Seq) -> None:
-        """A sample ended: free it; the request leaves when its last sample does."""
+    def _finish_seq(self, seq: Seq, *, keep: bool = False) -> None:
+        """A sample ended: free it; the request leaves when its last sample does.
+
+        ``keep`` (a natural end) pins the KV of a ``keep_kv`` request first.
+        """
         group = seq.group
+        if keep and group.keep_kv:
+            self._keep(seq)
         self._drop_seq(seq, release=True)
         group.num_live -= 1
         self._num_slots -= 1

@@ -89,6 +89,10 @@ class EngineStatistics:
     prefill_step_time: HistogramSnapshot = field(default_factory=_empty)
     decode_step_time: HistogramSnapshot = field(default_factory=_empty)
     alive: bool = True
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # of which were found (reused, not computed)
+    sessions: int = 0
+    session_pinned_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -111,7 +115,17 @@ class EngineMetrics:
         self.outcomes[outcome] += 1
 
     def snapshot(
-        self, *, running: int, waiting: int, kv_used: int, kv_total: int, alive: bool
+        self,
+        *,
+        running: int,
+        waiting: int,
+        kv_used: int,
+        kv_total: int,
+        alive: bool,
+        prefix_queries: int = 0,
+        prefix_hits: int = 0,
+        sessions: int = 0,
+        session_pinned_blocks: int = 0,
     ) -> EngineStatistics:
         return EngineStatistics(
             running=running,
@@ -128,4 +142,8 @@ class EngineMetrics:
             prefill_step_time=self.prefill_step_time.snapshot(),
             decode_step_time=self.decode_step_time.snapshot(),
             alive=alive,
+            prefix_cache_queries_total=prefix_queries,
+            prefix_cache_hits_total=prefix_hits,
+            sessions=sessions,
+            session_pinned_blocks=session_pinned_blocks,
         )
