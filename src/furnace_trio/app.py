@@ -55,6 +55,8 @@ from .protocol import (
     resolve_max_tokens,
 )
 from .sse import DONE, SSE_HEADERS, Collector, Kind, dumps, sse_event
+from .tool_prompt import prepare_tool_messages, template_supports_tools, tool_call_format
+from .tool_stream import ToolCallReady, ToolCallStream, render_fallback_metrics
 
 if TYPE_CHECKING:
     from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
@@ -86,6 +88,7 @@ class ServerState:
     engine_scope: trio.CancelScope | None = None
     started: int = field(default_factory=lambda: int(time.time()))
     http_responses: Counter[int] = field(default_factory=Counter)
+    tool_call_fallbacks: Counter[str] = field(default_factory=Counter)
 
     def serving_backend(self) -> Backend:
         """The backend if its engine is running, else a 503 :class:`APIError`."""
@@ -360,6 +363,7 @@ def _register_routes(app: QuartTrio, state: ServerState) -> None:
         backend = state.backend
         stats = backend.engine.statistics() if backend is not None else None
         text = render_metrics(stats, state.http_responses, engine_up=state.engine_running)
+        text += render_fallback_metrics(state.tool_call_fallbacks)
         return Response(text, mimetype="text/plain; version=0.0.4")
 
     def model_card(backend: Backend) -> dict[str, Any]:
@@ -389,7 +393,9 @@ def _register_routes(app: QuartTrio, state: ServerState) -> None:
         parsed = parse_chat_request(body, vocab_size=backend.tokenizer.vocab_size)
         _check_model(backend, parsed.model)
         prompt_ids = await trio.to_thread.run_sync(_render_chat, backend, parsed)
-        return await _generate(backend, "chat", parsed, prompt_ids, "messages")
+        return await _generate(
+            backend, "chat", parsed, prompt_ids, "messages", _tool_stream(state, backend, parsed)
+        )
 
     @app.post("/v1/completions")
     async def completions() -> Response:
@@ -413,14 +419,41 @@ async def _read_body() -> bytes:
 def _render_chat(backend: Backend, parsed: ChatRequest) -> tuple[int, ...]:
     """Template and tokenize (runs in a worker thread; big inputs take a while)."""
     try:
+        messages, tools = prepare_tool_messages(
+            parsed.messages,
+            parsed.tools if parsed.tool_choice != "none" else None,
+            template_has_tools=template_supports_tools(backend.tokenizer.chat_template),
+            required=parsed.tool_choice == "required",
+            function=parsed.tool_function,
+        )
         text = backend.tokenizer.apply_chat_template(
-            [dict(m) for m in parsed.messages],
-            add_generation_prompt=True,
-            tools=[dict(t) for t in parsed.tools] if parsed.tools else None,
+            messages, add_generation_prompt=True, tools=tools
         )
         return tuple(backend.tokenizer.encode(text, add_special_tokens=False))
     except ValueError as exc:
         raise invalid_request(f"cannot render the chat template: {exc}", "messages") from None
+
+
+def _tool_stream(
+    state: ServerState, backend: Backend, parsed: ChatRequest
+) -> Callable[[str, int], ToolCallStream] | None:
+    """How to parse this request's output for tool calls (None: plain content)."""
+    if parsed.tool_choice == "none" or not parsed.tools:
+        return None
+    configured = state.config.tool_parser if state.config is not None else "auto"
+    fmt = tool_call_format(configured, backend.tokenizer.chat_template)
+
+    def make(request_id: str, n: int) -> ToolCallStream:
+        return ToolCallStream(
+            request_id,
+            n,
+            fmt,
+            parsed.tool_schemas,
+            parallel=parsed.parallel_tool_calls,
+            fallbacks=state.tool_call_fallbacks,
+        )
+
+    return make
 
 
 def _encode_prompt(backend: Backend, prompt: str) -> tuple[int, ...]:
@@ -433,6 +466,7 @@ async def _generate(
     parsed: ChatRequest | CompletionRequest,
     prompt_ids: tuple[int, ...],
     prompt_param: str,
+    tool_stream: Callable[[str, int], ToolCallStream] | None = None,
 ) -> Response:
     if not prompt_ids:
         raise invalid_request("the prompt is empty after tokenization", prompt_param)
@@ -462,17 +496,21 @@ async def _generate(
         prompt_param,
     )
     timing = _Timing(request_id)
+    tools = tool_stream(request_id, params.n) if tool_stream is not None else None
     if parsed.stream:
         response = Response(
-            _stream_body(stream, collector, timing, parsed.include_usage),
+            _stream_body(stream, collector, timing, parsed.include_usage, tools),
             mimetype="text/event-stream",
             headers=SSE_HEADERS,
         )
         response.timeout = None  # RESPONSE_TIMEOUT would silently cut a long stream
         return response
     try:
-        async for event in stream:
-            failure = _apply(event, collector, timing)
+        async for engine_event in stream:
+            events = tools.translate(engine_event) if tools is not None else [engine_event]
+            failure = None
+            for event in events:
+                failure = _apply(event, collector, timing) or failure
             if failure is not None:
                 timing.status = 500
                 raise APIError(500, f"The model failed on this request: {failure}")
@@ -496,6 +534,8 @@ def _apply(event: object, collector: Collector, timing: _Timing) -> str | None:
         collector.finish(event.index, event.reason, event.completion_tokens)
     elif isinstance(event, Admitted):
         _admit(event, collector, timing)
+    elif isinstance(event, ToolCallReady):
+        collector.add_tool_call(event.index, event.call)
     elif isinstance(event, Failed):
         return event.message
     return None
@@ -509,19 +549,25 @@ def _admit(event: Admitted, collector: Collector, timing: _Timing) -> None:
 
 
 async def _stream_body(
-    stream: RequestStream, collector: Collector, timing: _Timing, include_usage: bool
+    stream: RequestStream,
+    collector: Collector,
+    timing: _Timing,
+    include_usage: bool,
+    tools: ToolCallStream | None = None,
 ) -> AsyncIterator[bytes]:
     """SSE body; ``finally`` aborts (sync, idempotent) however the generator ends."""
     try:
         if collector.kind == "chat":
             for index in range(collector.n):
                 yield sse_event(collector.chunk(index, role=True, include_usage=include_usage))
-        async for event in stream:
-            for chunk in _stream_chunks(event, collector, timing, include_usage):
-                yield chunk
-            if isinstance(event, Failed):
+        async for engine_event in stream:
+            events = tools.translate(engine_event) if tools is not None else [engine_event]
+            for event in events:
+                for chunk in _stream_chunks(event, collector, timing, include_usage):
+                    yield chunk
+            if isinstance(engine_event, Failed):
                 timing.status = 500
-                error = APIError(500, f"The model failed on this request: {event.message}")
+                error = APIError(500, f"The model failed on this request: {engine_event.message}")
                 yield sse_event(error.body())
                 return
         if include_usage:
@@ -557,9 +603,15 @@ def _stream_chunks(
             )
     elif isinstance(event, Finished):
         collector.finish(event.index, event.reason, event.completion_tokens)
+        reason = collector.choices[event.index].finish_reason
         yield sse_event(
-            collector.chunk(event.index, finish_reason=event.reason, include_usage=include_usage)
+            collector.chunk(event.index, finish_reason=reason, include_usage=include_usage)
         )
+    elif isinstance(event, ToolCallReady):
+        for body in collector.tool_call_chunks(
+            event.index, event.call, include_usage=include_usage
+        ):
+            yield sse_event(body)
     elif isinstance(event, Admitted):
         _admit(event, collector, timing)
 

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
+
+import jsonschema
 
 from .errors import APIError, invalid_request
 from .params import SamplingParams
@@ -114,6 +117,27 @@ class ChatRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     tools: tuple[Mapping[str, Any], ...] | None = None
+    tool_choice: ToolChoice = "none"
+    tool_function: str | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+
+    @property
+    def tool_schemas(self) -> dict[str, Mapping[str, Any] | None]:
+        """Function name -> parameters schema (``None`` when the tool gave none)."""
+        return {t["function"]["name"]: t["function"].get("parameters") for t in self.tools or ()}
+
+
+ToolChoice = Literal["none", "auto", "required", "function"]
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """``response_format``: ``json_object`` (any JSON object) or ``json_schema``."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema: Mapping[str, Any] | None = None
+    name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,11 +163,10 @@ def parse_chat_request(body: bytes, *, vocab_size: int) -> ChatRequest:
     max_tokens = _int(data, "max_completion_tokens", None, low=1)
     if max_tokens is None:
         max_tokens = _int(data, "max_tokens", None, low=1)
-    tools = data.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-            raise invalid_request("tools must be a list of objects", "tools")
-        tools = tuple(tools) or None
+    tools = _tools(data.get("tools"))
+    tool_choice, tool_function = _tool_choice(data.get("tool_choice"), tools)
+    parallel_tool_calls = _bool(data, "parallel_tool_calls", True)
+    response_format = _response_format(data.get("response_format"))
     stream, include_usage = _stream(data)
     return ChatRequest(
         model=_model(data),
@@ -159,6 +182,10 @@ def parse_chat_request(body: bytes, *, vocab_size: int) -> ChatRequest:
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         tools=tools,
+        tool_choice=tool_choice,
+        tool_function=tool_function,
+        parallel_tool_calls=parallel_tool_calls,
+        response_format=response_format,
     )
 
 
@@ -396,6 +423,160 @@ def _stop(value: object) -> tuple[str, ...]:
     return tuple(stops)
 
 
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _check_schema(schema: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(schema, dict):
+        raise invalid_request(f"{where} must be a JSON schema object, not {_kind(schema)}", where)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise invalid_request(f"{where} is not a valid JSON schema: {exc.message}", where) from None
+    return schema
+
+
+def _tools(value: object) -> tuple[Mapping[str, Any], ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise invalid_request(f"tools must be an array, not {_kind(value)}", "tools")
+    seen: set[str] = set()
+    tools: list[Mapping[str, Any]] = []
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise invalid_request(f"{where} must be an object, not {_kind(tool)}", where)
+        if tool.get("type") != "function":
+            raise invalid_request(f"{where}.type must be 'function'", f"{where}.type")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise invalid_request(f"{where}.function must be an object", f"{where}.function")
+        name = function.get("name")
+        if not isinstance(name, str) or not _FUNCTION_NAME.match(name):
+            raise invalid_request(
+                f"{where}.function.name must be 1-64 letters, digits, '_' or '-'",
+                f"{where}.function.name",
+            )
+        if name in seen:
+            raise invalid_request(
+                f"{where}.function.name {name!r} is a duplicate", f"{where}.function.name"
+            )
+        seen.add(name)
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise invalid_request(
+                f"{where}.function.description must be a string", f"{where}.function.description"
+            )
+        clean: dict[str, Any] = {"name": name}
+        if description is not None:
+            clean["description"] = description
+        parameters = function.get("parameters")
+        if parameters is not None:
+            clean["parameters"] = _check_schema(parameters, f"{where}.function.parameters")
+        tools.append(MappingProxyType({"type": "function", "function": clean}))
+    return tuple(tools) or None
+
+
+def _tool_choice(
+    value: object, tools: tuple[Mapping[str, Any], ...] | None
+) -> tuple[ToolChoice, str | None]:
+    if value is None:
+        return ("auto" if tools else "none"), None
+    if value in ("none", "auto", "required"):
+        if value != "none" and not tools:
+            raise invalid_request(f"tool_choice {value!r} needs tools", "tool_choice")
+        return value, None  # type: ignore[return-value]  # checked just above
+    if isinstance(value, dict) and value.get("type") == "function":
+        function = value.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise invalid_request(
+                "tool_choice.function.name must be a string", "tool_choice.function.name"
+            )
+        names = {t["function"]["name"] for t in tools or ()}
+        if name not in names:
+            raise invalid_request(
+                f"tool_choice names {name!r}, which is not one of the tools",
+                "tool_choice.function.name",
+            )
+        return "function", name
+    raise invalid_request(
+        "tool_choice must be 'none', 'auto', 'required' or "
+        '{"type": "function", "function": {"name": ...}}',
+        "tool_choice",
+    )
+
+
+def _response_format(value: object) -> ResponseFormat | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid_request(
+            f"response_format must be an object, not {_kind(value)}", "response_format"
+        )
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise invalid_request(
+                "response_format.json_schema must be an object", "response_format.json_schema"
+            )
+        name = spec.get("name")
+        if name is not None and not isinstance(name, str):
+            raise invalid_request(
+                "response_format.json_schema.name must be a string",
+                "response_format.json_schema.name",
+            )
+        schema = spec.get("schema")
+        if schema is None:
+            return ResponseFormat("json_object", name=name)
+        return ResponseFormat(
+            "json_schema",
+            _check_schema(schema, "response_format.json_schema.schema"),
+            name,
+        )
+    raise invalid_request(
+        "response_format.type must be 'text', 'json_object' or 'json_schema'",
+        "response_format.type",
+    )
+
+
+def _tool_calls(value: object, where: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise invalid_request(f"{where} must be an array", where)
+    calls: list[dict[str, Any]] = []
+    for i, call in enumerate(value):
+        at = f"{where}[{i}]"
+        if not isinstance(call, dict):
+            raise invalid_request(f"{at} must be an object", at)
+        function = call.get("function")
+        if call.get("type", "function") != "function" or not isinstance(function, dict):
+            raise invalid_request(f"{at} must be a function call with a function object", at)
+        name, arguments = function.get("name"), function.get("arguments", "{}")
+        if not isinstance(name, str) or not name:
+            raise invalid_request(f"{at}.function.name must be a string", f"{at}.function.name")
+        if not isinstance(arguments, str):
+            raise invalid_request(
+                f"{at}.function.arguments must be a JSON string", f"{at}.function.arguments"
+            )
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise invalid_request(f"{at}.id must be a string", f"{at}.id")
+        calls.append(
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
+        )
+    return calls
+
+
 def _messages(value: object) -> tuple[Mapping[str, Any], ...]:
     if value is _MISSING or value is None:
         raise invalid_request("messages is required", "messages")
@@ -424,7 +605,7 @@ def _message(value: object, where: str) -> Mapping[str, Any]:
             raise invalid_request(
                 f"{where}.tool_calls must be a list on an assistant message", f"{where}.tool_calls"
             )
-        message["tool_calls"] = tool_calls
+        message["tool_calls"] = _tool_calls(tool_calls, f"{where}.tool_calls")
     content = value.get("content", _MISSING)
     if content is _MISSING or content is None:
         if tool_calls is None:
@@ -438,6 +619,8 @@ def _message(value: object, where: str) -> Mapping[str, Any]:
             if not isinstance(extra, str):
                 raise invalid_request(f"{where}.{key} must be a string", f"{where}.{key}")
             message[key] = extra
+    if role == "tool" and "tool_call_id" not in message:
+        raise invalid_request(f"{where}.tool_call_id is required on a tool message", where)
     return MappingProxyType(message)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from . import __version__
+from .tool_calls import ToolCall
 
 Kind = Literal["chat", "completion"]
 SYSTEM_FINGERPRINT = f"furnace-trio-{__version__}"
@@ -87,6 +88,7 @@ class Choice:
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
     completion_tokens: int = 0
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -141,8 +143,10 @@ class Collector:
             choice.logprobs.extend(logprobs)
 
     def finish(self, index: int, reason: str, completion_tokens: int) -> None:
+        """Record the end of a choice. ``tool_calls`` replaces ``stop`` only: a call cut
+        by the token limit keeps ``length``, so the client learns output was truncated."""
         choice = self.choices[index]
-        choice.finish_reason = reason
+        choice.finish_reason = "tool_calls" if reason == "stop" and choice.tool_calls else reason
         choice.completion_tokens = completion_tokens
 
     def response(self) -> dict[str, Any]:
@@ -151,10 +155,14 @@ class Collector:
         for index, choice in enumerate(self.choices):
             text = "".join(choice.text)
             if self.kind == "chat":
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if choice.tool_calls:
+                    message["content"] = text or None
+                    message["tool_calls"] = [_tool_call(c) for c in choice.tool_calls]
                 choices.append(
                     {
                         "index": index,
-                        "message": {"role": "assistant", "content": text},
+                        "message": message,
                         "logprobs": chat_logprobs(choice.logprobs) if self.want_logprobs else None,
                         "finish_reason": choice.finish_reason,
                     }
@@ -223,9 +231,51 @@ class Collector:
             body["usage"] = None
         return body
 
+    def add_tool_call(self, index: int, call: ToolCall) -> None:
+        self.choices[index].tool_calls.append(call)
+
+    def tool_call_chunks(
+        self, index: int, call: ToolCall, *, include_usage: bool = False
+    ) -> list[dict[str, Any]]:
+        """Two chunks for one complete call, as OpenAI streams them: the first carries
+        ``index``, ``id``, ``type`` and the function name, the next the arguments."""
+        choice = self.choices[index]
+        position = len(choice.tool_calls)
+        choice.tool_calls.append(call)
+        head = {
+            "index": position,
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        }
+        tail = {"index": position, "function": {"arguments": call.arguments}}
+        chunks = []
+        for entry in (head, tail):
+            body = self._envelope("chat.completion.chunk")
+            body["choices"] = [
+                {
+                    "index": index,
+                    "delta": {"tool_calls": [entry]},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+            if include_usage:
+                body["usage"] = None
+            chunks.append(body)
+        return chunks
+
     def usage_chunk(self) -> dict[str, Any]:
         """The last chunk of ``stream_options.include_usage``: no choices, the usage."""
         body = self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion")
         body["choices"] = []
         body["usage"] = self.usage()
         return body
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
