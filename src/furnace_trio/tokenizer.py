@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
@@ -35,6 +33,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from furnace_trio.chat_template import ChatTemplateError, compile_chat_template
+from furnace_trio.gguf_file import read_gguf
 from furnace_trio.model_config import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
@@ -515,87 +514,18 @@ class Tokenizer:
         )
 
 
-_GGUF_MAGIC = b"GGUF"
-_GGUF_STRING = 8
-_GGUF_ARRAY = 9
-_GGUF_SCALARS: dict[int, struct.Struct] = {
-    0: struct.Struct("<B"),
-    1: struct.Struct("<b"),
-    2: struct.Struct("<H"),
-    3: struct.Struct("<h"),
-    4: struct.Struct("<I"),
-    5: struct.Struct("<i"),
-    6: struct.Struct("<f"),
-    7: struct.Struct("<?"),
-    10: struct.Struct("<Q"),
-    11: struct.Struct("<q"),
-    12: struct.Struct("<d"),
-}
-
-
 def read_gguf_metadata(path: str | Path, *, prefix: str = "") -> dict[str, Any]:
-    """The key/value metadata of a little-endian GGUF v2/v3 file, as plain Python values
-    (arrays as lists), keeping only keys that start with ``prefix``. No tensor is read."""
-    path = Path(path)
+    """The key/value metadata of a GGUF file whose keys start with ``prefix`` (no tensor
+    data is read); unreadable files raise :class:`UnsupportedModelError`."""
     try:
-        with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _parse_gguf_metadata(buf, prefix)
-    except (OSError, ValueError) as exc:
+        metadata = read_gguf(path).metadata
+    except OSError as exc:
+        raise UnsupportedModelError(f"cannot read GGUF metadata from {path}: {exc}") from exc
+    except ValueError as exc:
         if isinstance(exc, UnsupportedModelError):
             raise
-        raise UnsupportedModelError(f"cannot read GGUF metadata from {path}: {exc}") from exc
-    except (struct.error, IndexError) as exc:
         raise UnsupportedModelError(f"{path}: truncated or corrupt GGUF metadata") from exc
-
-
-def _parse_gguf_metadata(buf: bytes | mmap.mmap, prefix: str) -> dict[str, Any]:
-    if buf[:4] != _GGUF_MAGIC:
-        raise UnsupportedModelError("not a GGUF file (bad magic)")
-    (version,) = struct.unpack_from("<I", buf, 4)
-    if version not in (2, 3):
-        raise UnsupportedModelError(f"GGUF version {version} is not supported (need 2 or 3)")
-    n_kv = struct.unpack_from("<Q", buf, 16)[0]
-    pos = 24
-
-    def string() -> str:
-        nonlocal pos
-        (n,) = struct.unpack_from("<Q", buf, pos)
-        end = pos + 8 + n
-        if end > len(buf):
-            raise IndexError("truncated string")
-        text = buf[pos + 8 : end].decode("utf-8", errors="replace")
-        pos = end
-        return text
-
-    def value(vtype: int) -> Any:
-        nonlocal pos
-        if vtype == _GGUF_STRING:
-            return string()
-        if vtype == _GGUF_ARRAY:
-            item_type, count = struct.unpack_from("<IQ", buf, pos)
-            pos += 12
-            scalar = _GGUF_SCALARS.get(item_type)
-            if scalar is not None:
-                items = struct.unpack_from(f"<{count}{scalar.format[1]}", buf, pos)
-                pos += count * scalar.size
-                return list(items)
-            return [value(item_type) for _ in range(count)]
-        scalar = _GGUF_SCALARS.get(vtype)
-        if scalar is None:
-            raise UnsupportedModelError(f"unknown GGUF value type {vtype}")
-        (item,) = scalar.unpack_from(buf, pos)
-        pos += scalar.size
-        return item
-
-    metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = string()
-        (vtype,) = struct.unpack_from("<I", buf, pos)
-        pos += 4
-        item = value(vtype)
-        if key.startswith(prefix):
-            metadata[key] = item
-    return metadata
+    return {k: v for k, v in metadata.items() if k.startswith(prefix)}
 
 
 def _add_config_tokens(hf: HFTokenizer, added_tokens_decoder: Any) -> None:
