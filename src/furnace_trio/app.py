@@ -18,7 +18,9 @@ Lifecycle (see ``TRIO-NOTES.md``):
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
+import json
 import logging
 import time
 import uuid
@@ -54,6 +56,7 @@ from .protocol import (
     parse_completion_request,
     resolve_max_tokens,
 )
+from .sessions import SessionBusy, SessionNotFound, Turn, owner_of
 from .sse import DONE, SSE_HEADERS, Collector, Kind, dumps, sse_event
 from .tool_prompt import prepare_tool_messages, template_supports_tools, tool_call_format
 from .tool_stream import ToolCallReady, ToolCallStream, render_fallback_metrics
@@ -179,6 +182,7 @@ def create_app(
 
     _register_error_handlers(app)
     _register_routes(app, state)
+    _session_routes(app, state)
     return app
 
 
@@ -392,6 +396,9 @@ def _register_routes(app: QuartTrio, state: ServerState) -> None:
         backend = state.serving_backend()
         parsed = parse_chat_request(body, vocab_size=backend.tokenizer.vocab_size)
         _check_model(backend, parsed.model)
+        session_id = _session_id(body)
+        if session_id is not None:
+            return await _session_chat(backend, parsed, session_id)
         prompt_ids = await trio.to_thread.run_sync(_render_chat, backend, parsed)
         return await _generate(
             backend, "chat", parsed, prompt_ids, "messages", _tool_stream(state, backend, parsed)
@@ -408,6 +415,106 @@ def _register_routes(app: QuartTrio, state: ServerState) -> None:
         else:
             prompt_ids = parsed.prompt
         return await _generate(backend, "completion", parsed, prompt_ids, "prompt")
+
+
+# -- sessions ------------------------------------------------------------------------------------
+
+
+def _owner() -> str:
+    """The session owner: the bearer token presented (digested), even when the server
+    checks no key, so that clients with different keys never see each other's sessions."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    token = token.strip()
+    return owner_of(token if scheme.lower() == "bearer" and token else None)
+
+
+def _session_id(body: bytes) -> str | None:
+    """``session_id`` from the body (``extra_body`` in the SDK) or the ``X-Session-Id``
+    header; when both are given they must agree."""
+    header = request.headers.get("X-Session-Id")
+    value = json.loads(body).get("session_id")  # parse_chat_request accepted it: a JSON object
+    if value is not None and (not isinstance(value, str) or not 1 <= len(value) <= 256):
+        raise invalid_request("session_id must be a string of 1 to 256 characters", "session_id")
+    if header is not None and not 1 <= len(header) <= 256:
+        raise invalid_request("X-Session-Id must have 1 to 256 characters", "session_id")
+    if value is not None and header is not None and value != header:
+        raise invalid_request("session_id and X-Session-Id differ", "session_id")
+    return value if value is not None else header
+
+
+def _session_not_found(session_id: str) -> APIError:
+    return APIError(
+        404, f"The session {session_id!r} does not exist.", param="session_id", code="not_found"
+    )
+
+
+def _session_busy(exc: Exception) -> APIError:
+    return APIError(
+        409,
+        f"{exc}; send the next turn once it has finished.",
+        param="session_id",
+        code="session_busy",
+        headers={"x-should-retry": "false"},
+    )
+
+
+async def _session_chat(backend: Backend, parsed: ChatRequest, session_id: str) -> Response:
+    """A session turn: its history plus the new messages, rendered whole. The session's
+    pinned blocks are in the prefix cache, so only the tokens after the longest common
+    prefix compute. The request stream commits the turn when it finishes and ends it when
+    closed; until the stream exists, ending it on the way out is ours."""
+    engine = backend.engine
+    try:
+        turn = engine.begin_turn(session_id, _owner(), parsed.messages)
+    except SessionNotFound:
+        raise _session_not_found(session_id) from None
+    except SessionBusy as exc:
+        raise _session_busy(exc) from None
+    except ValueError as exc:
+        raise invalid_request(str(exc), "session_id") from None
+    try:
+        full = dataclasses.replace(parsed, messages=tuple(turn.messages))
+        prompt_ids = await trio.to_thread.run_sync(_render_chat, backend, full)
+        response = await _generate(backend, "chat", full, prompt_ids, "messages", turn=turn)
+    except BaseException:
+        engine.end_turn(turn)
+        raise
+    response.headers["X-Session-Id"] = session_id
+    if not parsed.stream:
+        body = json.loads(await response.get_data(as_text=False))
+        body["session_id"] = session_id
+        response.set_data(dumps(body))
+    return response
+
+
+def _session_routes(app: QuartTrio, state: ServerState) -> None:
+    @app.get("/v1/sessions/<session_id>")
+    async def get_session(session_id: str) -> Response:
+        backend = state.serving_backend()
+        try:
+            session = backend.engine.get_session(session_id, _owner())
+        except SessionNotFound:
+            raise _session_not_found(session_id) from None
+        body = {
+            "id": session.session_id,
+            "object": "session",
+            "turns": session.turns,
+            "messages": [dict(m) for m in session.messages],
+            "cached_tokens": len(session.token_ids),
+        }
+        return Response(dumps(body), mimetype="application/json")
+
+    @app.delete("/v1/sessions/<session_id>")
+    async def delete_session(session_id: str) -> Response:
+        backend = state.serving_backend()
+        try:
+            backend.engine.delete_session(session_id, _owner())
+        except SessionNotFound:
+            raise _session_not_found(session_id) from None
+        except SessionBusy as exc:
+            raise _session_busy(exc) from None
+        body = {"id": session_id, "object": "session.deleted", "deleted": True}
+        return Response(dumps(body), mimetype="application/json")
 
 
 async def _read_body() -> bytes:
@@ -467,6 +574,8 @@ async def _generate(
     prompt_ids: tuple[int, ...],
     prompt_param: str,
     tool_stream: Callable[[str, int], ToolCallStream] | None = None,
+    *,
+    turn: Turn | None = None,
 ) -> Response:
     if not prompt_ids:
         raise invalid_request("the prompt is empty after tokenization", prompt_param)
@@ -492,7 +601,9 @@ async def _generate(
     )
     stream = _submit(
         backend,
-        GenerationRequest(prompt_token_ids=prompt_ids, params=params, request_id=request_id),
+        GenerationRequest(
+            prompt_token_ids=prompt_ids, params=params, request_id=request_id, turn=turn
+        ),
         prompt_param,
     )
     timing = _Timing(request_id)
@@ -559,7 +670,10 @@ async def _stream_body(
     try:
         if collector.kind == "chat":
             for index in range(collector.n):
-                yield sse_event(collector.chunk(index, role=True, include_usage=include_usage))
+                first = collector.chunk(index, role=True, include_usage=include_usage)
+                if stream.session_id is not None:
+                    first["session_id"] = stream.session_id
+                yield sse_event(first)
         async for engine_event in stream:
             events = tools.translate(engine_event) if tools is not None else [engine_event]
             for event in events:

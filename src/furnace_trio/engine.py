@@ -475,7 +475,7 @@ class Engine:
             last_token_at=[None] * params.n,
         )
         self._wake.set()
-        return RequestStream(self, request.request_id, receive, params)
+        return RequestStream(self, request.request_id, receive, params, turn)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -634,8 +634,11 @@ class RequestStream:
         request_id: str,
         receive: trio.MemoryReceiveChannel[_Message],
         params: SamplingParams,
+        turn: Turn | None = None,
     ) -> None:
         self.request_id = request_id
+        self.turn = turn
+        self._reply: list[str] = []  # sample 0's text, for the session's history
         self._engine = engine
         self._receive = receive
         self._params = params
@@ -681,13 +684,20 @@ class RequestStream:
     ) -> None:
         self.close()
 
+    @property
+    def session_id(self) -> str | None:
+        return self.turn.session_id if self.turn is not None else None
+
     def close(self) -> None:
-        """Abort the request if unfinished and stop listening. Idempotent, never awaits."""
+        """Abort the request if unfinished, end its session turn, and stop listening.
+        Idempotent, never awaits."""
         if self._closed:
             return
         self._closed = True
         if not self._done:
             self._engine.abort(self.request_id)
+        if self.turn is not None:
+            self._engine.end_turn(self.turn)
         self._receive.close()
 
     # -- text -----------------------------------------------------------------------------
@@ -717,6 +727,7 @@ class RequestStream:
             if matched:
                 self._end_sample(index, text, "stop")
                 self._engine._stop_sample(self.request_id, index)
+                self._commit_turn(index)
                 return
         if text or self._want_logprobs:
             self._emit_delta(index, text)
@@ -733,6 +744,14 @@ class RequestStream:
             else:
                 text += sample.stops.flush()
         self._end_sample(index, text, reason)
+        self._commit_turn(index)
+
+    def _commit_turn(self, index: int) -> None:
+        """A session turn's only sample finished: its text (what the client got, stop
+        strings removed) joins the history, with the KV the request pinned."""
+        if self.turn is not None and index == 0:
+            reply = {"role": "assistant", "content": "".join(self._reply)}
+            self._engine.commit_turn(self.turn, reply)
 
     def _end_sample(self, index: int, text: str, reason: Literal["stop", "length"]) -> None:
         sample = self._samples[index]
@@ -745,6 +764,8 @@ class RequestStream:
             self._done = True
 
     def _emit_delta(self, index: int, text: str) -> None:
+        if self.turn is not None and index == 0:
+            self._reply.append(text)
         sample = self._samples[index]
         self._ready.append(Delta(index, text, tuple(sample.token_ids), tuple(sample.logprobs)))
         sample.token_ids.clear()
