@@ -33,7 +33,8 @@ class ServerConfig:
 
     ``model is None`` means the embedded default model; ``model_name is None`` means the name
     the loader derives from the model. ``api_key is None`` disables authentication.
-    ``kv_cache_mb`` and ``max_context`` of ``None`` let the backend choose.
+    ``None`` for ``max_running``, ``max_step_tokens``, ``kv_cache_mb`` and ``max_context``
+    lets the backend choose by device (see :mod:`furnace_trio.backend`).
     """
 
     model: str | None = None
@@ -41,9 +42,9 @@ class ServerConfig:
     device: Device = "auto"
     dtype: str = "auto"
     api_key: str | None = None
-    max_running: int = 16
+    max_running: int | None = None
     max_waiting: int = 256
-    max_step_tokens: int = 512
+    max_step_tokens: int | None = None
     kv_cache_mb: int | None = None
     max_context: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -63,10 +64,10 @@ class ServerConfig:
             raise ConfigError(
                 f"log level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
             )
-        for name in ("max_running", "max_waiting", "max_step_tokens", "max_body_bytes"):
+        for name in ("max_waiting", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
-        for name in ("kv_cache_mb", "max_context"):
+        for name in ("kv_cache_mb", "max_context", "max_running", "max_step_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1")
@@ -115,11 +116,9 @@ class ServerConfig:
             device=device,  # type: ignore[arg-type]  # checked by choice()
             dtype=choice("FURNACE_DTYPE", DTYPES) or defaults.dtype,
             api_key=text("FURNACE_API_KEY"),
-            max_running=max_running if max_running is not None else defaults.max_running,
+            max_running=max_running,
             max_waiting=max_waiting if max_waiting is not None else defaults.max_waiting,
-            max_step_tokens=(
-                max_step_tokens if max_step_tokens is not None else defaults.max_step_tokens
-            ),
+            max_step_tokens=max_step_tokens,
             kv_cache_mb=integer("FURNACE_KV_CACHE_MB"),
             max_context=integer("FURNACE_MAX_CONTEXT"),
             max_body_bytes=max_body_bytes
