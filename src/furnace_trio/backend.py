@@ -9,10 +9,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .config import ServerConfig
 from .engine import Engine, EngineConfig
+from .plan import ChunkPlan, StepPlan
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +50,18 @@ def _kv_cache_bytes(config: ServerConfig, device_type: str) -> int:
     return DEFAULT_KV_CACHE_MB_CPU << 20
 
 
+def _warm_up(runner: ModelRunner) -> None:
+    """Run one small prefill and decode before serving.
+
+    The first calls of a fresh process pay for lazy kernel selection and thread-pool start;
+    without this the first client's time to first token is several times the usual. The
+    cache slots written here belong to no sequence and are overwritten before being read.
+    """
+    table = tuple(range(min(runner.num_blocks, -(-9 // runner.block_size))))
+    runner.logits(StepPlan((ChunkPlan(0, (0,) * 8, 0, table),)))
+    runner.logits(StepPlan((ChunkPlan(0, (0,), 8, table),)))
+
+
 def load_backend(config: ServerConfig) -> Backend:
     """Load the configured model (default: the embedded SmolLM2) and build its engine."""
     from .loader import load_model
@@ -60,6 +77,7 @@ def load_backend(config: ServerConfig) -> Backend:
         max_context=config.max_context,
     )
     runner = ModelRunner.from_loaded(loaded, settings)
+    _warm_up(runner)
     tokenizer = loaded.tokenizer
     max_running, max_step_tokens = DEFAULT_LIMITS.get(device.type, DEFAULT_LIMITS["cpu"])
     engine = Engine(
