@@ -118,7 +118,7 @@ async def test_turns_reuse_the_session_kv_and_match_stateless_requests() -> None
     async with serving(runner) as engine:
         first, cached = await run_turn(engine, "s", "hello", max_tokens=20)
         assert cached == 0
-        second, _ = await run_turn(engine, "s", "again", max_tokens=20)
+        second, cached = await run_turn(engine, "s", "again", max_tokens=20)
         session = engine.get_session("s", "")
         # the first prompt and most of the reply come from the session's pinned blocks
         assert cached > len(render(session.messages[:1]))
