@@ -89,6 +89,10 @@ def load_backend(config: ServerConfig) -> Backend:
             max_running=config.max_running or max_running,
             max_waiting=config.max_waiting,
             max_step_tokens=config.max_step_tokens or max(max_step_tokens, config.max_running or 0),
+            session_ttl_s=config.session_ttl_s,
+            session_max_blocks=config.session_max_blocks,
+            max_sessions=config.max_sessions,
+            prefix_cache=config.prefix_cache,
         ),
     )
     logger.info("loaded %s in %.1f s", loaded.name, time.monotonic() - started)

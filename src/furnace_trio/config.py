@@ -50,6 +50,10 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "INFO"
     tool_parser: str = "auto"
+    session_ttl_s: float = 1800.0
+    session_max_blocks: int | None = None
+    max_sessions: int = 1024
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -67,6 +71,12 @@ class ServerConfig:
         for name in ("max_waiting", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
+        if self.session_ttl_s <= 0:
+            raise ConfigError("session_ttl_s must be > 0")
+        if self.max_sessions < 1:
+            raise ConfigError("max_sessions must be at least 1")
+        if self.session_max_blocks is not None and self.session_max_blocks < 0:
+            raise ConfigError("session_max_blocks must be >= 0")
         for name in ("kv_cache_mb", "max_context", "max_running", "max_step_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -126,8 +136,36 @@ class ServerConfig:
             else defaults.max_body_bytes,
             log_level=choice("FURNACE_LOG_LEVEL", LOG_LEVELS, upper=True) or defaults.log_level,
             tool_parser=choice("FURNACE_TOOL_PARSER", TOOL_PARSERS) or defaults.tool_parser,
+            session_ttl_s=_positive_float(environ, "FURNACE_SESSION_TTL_S", defaults.session_ttl_s),
+            session_max_blocks=integer("FURNACE_SESSION_MAX_BLOCKS"),
+            max_sessions=integer("FURNACE_MAX_SESSIONS") or defaults.max_sessions,
+            prefix_cache=_flag(environ, "FURNACE_PREFIX_CACHE", defaults.prefix_cache),
         )
 
     @property
     def log_level_number(self) -> int:
         return logging.getLevelName(self.log_level)  # type: ignore[no-any-return]
+
+
+def _positive_float(environ: Mapping[str, str], name: str, default: float) -> float:
+    value = environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    if not number > 0:
+        raise ConfigError(f"{name} must be > 0, got {value!r}")
+    return number
+
+
+def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    value = environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name} must be true or false, got {value!r}")
