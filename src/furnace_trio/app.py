@@ -48,7 +48,9 @@ from .engine import (
     RequestTooLarge,
 )
 from .errors import APIError, invalid_request
+from .grammar import GrammarCompiler, GrammarError
 from .metrics import render_metrics
+from .params import TokenConstraint
 from .protocol import (
     ChatRequest,
     CompletionRequest,
@@ -92,6 +94,7 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     http_responses: Counter[int] = field(default_factory=Counter)
     tool_call_fallbacks: Counter[str] = field(default_factory=Counter)
+    grammar: GrammarCompiler | None = None
 
     def serving_backend(self) -> Backend:
         """The backend if its engine is running, else a 503 :class:`APIError`."""
@@ -400,8 +403,19 @@ def _register_routes(app: QuartTrio, state: ServerState) -> None:
         if session_id is not None:
             return await _session_chat(backend, parsed, session_id)
         prompt_ids = await trio.to_thread.run_sync(_render_chat, backend, parsed)
+        constraint = None
+        if parsed.response_format is not None or parsed.tool_choice in ("required", "function"):
+            if state.grammar is None:
+                state.grammar = GrammarCompiler(backend.tokenizer)
+            constraint = await trio.to_thread.run_sync(_constraint, state, backend, parsed)
         return await _generate(
-            backend, "chat", parsed, prompt_ids, "messages", _tool_stream(state, backend, parsed)
+            backend,
+            "chat",
+            parsed,
+            prompt_ids,
+            "messages",
+            _tool_stream(state, backend, parsed),
+            constraint=constraint,
         )
 
     @app.post("/v1/completions")
@@ -563,6 +577,38 @@ def _tool_stream(
     return make
 
 
+def _constraint(
+    state: ServerState, backend: Backend, parsed: ChatRequest
+) -> TokenConstraint | None:
+    """The grammar that enforces ``tool_choice`` required/named or ``response_format``.
+
+    Forced calls are generated in the Hermes format; with another configured parser they
+    are left to the prompt. Runs in a worker thread (compiling takes milliseconds).
+    """
+    compiler = state.grammar
+    assert compiler is not None  # set by the handler before this runs; not user input
+    try:
+        if parsed.tool_choice in ("required", "function"):
+            configured = state.config.tool_parser if state.config is not None else "auto"
+            fmt = tool_call_format(configured, backend.tokenizer.chat_template)
+            if fmt.value != "hermes":
+                logger.info(
+                    "tool_choice %s not enforced for the %s format", parsed.tool_choice, fmt
+                )
+                return None
+            tools = parsed.tool_schemas
+            if parsed.tool_function is not None:
+                tools = {parsed.tool_function: tools[parsed.tool_function]}
+            # a named function is one call; "required" may call several when allowed
+            parallel = parsed.parallel_tool_calls and parsed.tool_function is None
+            return compiler.tool_calls(tools, parallel=parallel)
+        if parsed.response_format is not None:
+            return compiler.json_schema(parsed.response_format.schema)
+    except GrammarError as exc:
+        raise invalid_request(f"cannot compile the grammar: {exc}", "response_format") from None
+    return None
+
+
 def _encode_prompt(backend: Backend, prompt: str) -> tuple[int, ...]:
     return tuple(backend.tokenizer.encode(prompt, add_special_tokens=True))
 
@@ -574,6 +620,7 @@ async def _generate(
     prompt_ids: tuple[int, ...],
     prompt_param: str,
     tool_stream: Callable[[str, int], ToolCallStream] | None = None,
+    constraint: TokenConstraint | None = None,
     *,
     turn: Turn | None = None,
 ) -> Response:
@@ -587,6 +634,8 @@ async def _generate(
     )
     try:
         params = parsed.sampling.to_params(max_tokens)
+        if constraint is not None:
+            params = dataclasses.replace(params, constraint=constraint)
     except ValueError as exc:
         raise invalid_request(str(exc)) from None
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"

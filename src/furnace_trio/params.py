@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any, Protocol
+
+
+class TokenConstraint(Protocol):
+    """Which tokens a sequence may sample next (grammar-constrained decoding).
+
+    ``allowed(seq_id, output_token_ids)`` returns a bitmask (int32 words, bit ``t % 32`` of
+    word ``t // 32`` set when token ``t`` is allowed) or ``None`` for "no restriction". It is
+    called only on the runner's thread, once per sampled position, with every token the
+    sequence has produced so far, so the constraint advances its own state from those.
+    """
+
+    def allowed(self, seq_id: int, output_token_ids: Sequence[int]) -> Any: ...
 
 
 def _empty_bias() -> Mapping[int, float]:
@@ -37,6 +50,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    constraint: TokenConstraint | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

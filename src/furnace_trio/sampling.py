@@ -82,6 +82,7 @@ def sample(
         and p.frequency_penalty == 0.0
         and p.presence_penalty == 0.0
         and not p.logit_bias
+        and p.constraint is None
         for p in params
     )
     if plain and all(p.greedy and p.logprobs is None for p in params):
@@ -171,7 +172,27 @@ def _process(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
             torch.tensor(bias_values, device=device),
             accumulate=True,
         )
+
+    for i, spec in enumerate(specs):
+        constraint = spec.params.constraint
+        if constraint is None:
+            continue
+        words = constraint.allowed(spec.seq_id, spec.output_token_ids)
+        if words is not None:
+            allowed = _unpack_bitmask(torch.as_tensor(words, dtype=torch.int32), vocab)
+            logits[i].masked_fill_(~allowed.to(device), float("-inf"))
     return logits
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def _unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[vocab]`` bools from int32 words; tokens past the mask's end are disallowed."""
+    bits = ((words.reshape(-1, 1) >> _BITS) & 1).reshape(-1).bool()
+    if bits.numel() >= vocab:
+        return bits[:vocab]
+    return torch.cat([bits, torch.zeros(vocab - bits.numel(), dtype=torch.bool)])
 
 
 def _occurrences(
