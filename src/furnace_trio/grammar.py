@@ -3,7 +3,7 @@
 Why llguidance: it has no dependencies (xgrammar requires an unpinned ``torch``, ``triton``
 and ``transformers``, which this project cannot take), and its masks are cheap on the
 SmolLM2 vocabulary (49,152 tokens): median ~25 us per token for a JSON schema, the first
-mask of a request a few ms (``benchmarks/grammar_mask.py``).
+mask of a request a few ms (measured once by hand; no benchmark script yet).
 
 Where the state lives: each request gets one :class:`GrammarConstraint` in its
 :class:`~furnace_trio.params.SamplingParams`. The sampler calls
