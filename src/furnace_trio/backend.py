@@ -75,6 +75,7 @@ def load_backend(config: ServerConfig) -> Backend:
         dtype=config.dtype,
         kv_cache_bytes=_kv_cache_bytes(config, device.type),
         max_context=config.max_context,
+        quantization=config.quantization,
     )
     runner = ModelRunner.from_loaded(loaded, settings)
     _warm_up(runner)

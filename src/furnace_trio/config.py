@@ -16,6 +16,7 @@ from typing import Literal
 Device = Literal["cpu", "cuda", "auto"]
 DEVICES: tuple[str, ...] = ("cpu", "cuda", "auto")
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8")
 LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Tool-call output formats (``auto``: from the model's chat template, see docs/tools.md).
 TOOL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3", "mistral")
@@ -50,6 +51,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "INFO"
     tool_parser: str = "auto"
+    quantization: str = "auto"
     session_ttl_s: float = 1800.0
     session_max_blocks: int | None = None
     max_sessions: int = 1024
@@ -63,6 +65,10 @@ class ServerConfig:
         if self.tool_parser not in TOOL_PARSERS:
             raise ConfigError(
                 f"tool parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(
@@ -136,6 +142,7 @@ class ServerConfig:
             else defaults.max_body_bytes,
             log_level=choice("FURNACE_LOG_LEVEL", LOG_LEVELS, upper=True) or defaults.log_level,
             tool_parser=choice("FURNACE_TOOL_PARSER", TOOL_PARSERS) or defaults.tool_parser,
+            quantization=choice("FURNACE_QUANT", QUANTIZATIONS) or defaults.quantization,
             session_ttl_s=_positive_float(environ, "FURNACE_SESSION_TTL_S", defaults.session_ttl_s),
             session_max_blocks=integer("FURNACE_SESSION_MAX_BLOCKS"),
             max_sessions=integer("FURNACE_MAX_SESSIONS") or defaults.max_sessions,

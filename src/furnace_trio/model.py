@@ -17,6 +17,7 @@ matrix products; :class:`Linear` is the single place a quantized kernel plugs in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -52,6 +53,44 @@ class StepInputs:
     decode_index: torch.Tensor
     decode_context_lens: torch.Tensor
     logit_rows: torch.Tensor
+    decode: DecodeBatch | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """Per-step tensors of the batched decode attention, shared by every layer.
+
+    - ``tables``: ``[n, blocks]`` block tables of the decode sequences, cut to the blocks
+      that the longest one needs.
+    - ``max_ctx``: the longest decode context; ``mask``: ``[n, 1, 1, max_ctx]``,
+      a key position is inside the sequence (additive: 0 inside, ``-inf`` outside).
+    - ``flat_rows``: flat token index of each decode query, ``None`` when the step is all
+      decodes (rows ``0..n-1`` in order, so no gather/scatter is needed).
+    """
+
+    tables: torch.Tensor
+    max_ctx: int
+    mask: torch.Tensor
+    flat_rows: torch.Tensor | None
+
+    @staticmethod
+    def build(inputs: StepInputs, block_size: int, dtype: torch.dtype) -> DecodeBatch | None:
+        if not inputs.decode_rows:
+            return None
+        device = inputs.block_tables.device
+        max_ctx = int(inputs.decode_context_lens.max())
+        max_blocks = -(-max_ctx // block_size)
+        tables = inputs.block_tables[inputs.decode_index][:, :max_blocks]
+        inside = torch.arange(max_ctx, device=device)[None, :] < inputs.decode_context_lens[:, None]
+        # An additive float mask: SDPA would convert a boolean one in every layer.
+        mask = torch.zeros(inside.shape, dtype=dtype, device=device).masked_fill_(
+            ~inside, float("-inf")
+        )
+        flat_rows = None
+        if len(inputs.decode_rows) != len(inputs.context_lens):
+            rows = [inputs.query_starts[b] for b in inputs.decode_rows]
+            flat_rows = torch.tensor(rows, device=device)
+        return DecodeBatch(tables, max_ctx, mask[:, None, None, :], flat_rows)
 
 
 class KVCache:
@@ -176,15 +215,16 @@ class Attention(nn.Module):
         inputs: StepInputs,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        heads = self.num_heads + self.num_kv_heads
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.reshape(tokens, heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # Rotary embedding of queries and keys in one pass (they share positions).
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
 
         block_size = k_cache.shape[1]
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
@@ -192,9 +232,11 @@ class Attention(nn.Module):
         k_flat.index_copy_(0, inputs.slot_mapping, k.to(k_flat.dtype))
         v_flat.index_copy_(0, inputs.slot_mapping, v.to(v_flat.dtype))
 
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if inputs.decode_rows:
             self._attend_decodes(q, out, k_cache, v_cache, inputs)
+            if len(inputs.decode_rows) == len(inputs.context_lens):
+                return self.o_proj(out.view(tokens, self.q_size))
         decode_set = set(inputs.decode_rows)
         starts = inputs.query_starts
         for b, ctx in enumerate(inputs.context_lens):
@@ -241,32 +283,29 @@ class Attention(nn.Module):
 
         Each sequence's blocks are gathered into a padded ``[n, max_ctx]`` key range; the
         query heads of one KV head are laid along the query axis, so grouped-query attention
-        needs no copy of the keys per query head.
+        needs no copy of the keys per query head. Everything that depends only on the step
+        (tables, mask, rows) is computed once per step in :class:`DecodeBatch`.
         """
-        rows = inputs.decode_index
-        n = rows.shape[0]
+        d = inputs.decode
+        if d is None:
+            return
+        n = d.tables.shape[0]
         group = self.num_heads // self.num_kv_heads
-        tables = inputs.block_tables[rows]  # [n, max_blocks]
-        max_ctx = int(inputs.decode_context_lens.max())
-        max_blocks = -(-max_ctx // k_cache.shape[1])
-        tables = tables[:, :max_blocks]
-        keys = k_cache[tables].flatten(1, 2)[:, :max_ctx]  # [n, ctx, KV, D]
-        values = v_cache[tables].flatten(1, 2)[:, :max_ctx]
-        flat_rows = torch.tensor(
-            [inputs.query_starts[b] for b in inputs.decode_rows], device=q.device
-        )
-        qd = q[flat_rows].view(n, self.num_kv_heads, group, self.head_dim)
-        mask = (
-            torch.arange(max_ctx, device=q.device)[None, :] < inputs.decode_context_lens[:, None]
-        )[:, None, None, :]
+        keys = k_cache[d.tables].flatten(1, 2)[:, : d.max_ctx]  # [n, ctx, KV, D]
+        values = v_cache[d.tables].flatten(1, 2)[:, : d.max_ctx]
+        qd = q if d.flat_rows is None else q[d.flat_rows]
         o = F.scaled_dot_product_attention(
-            qd,
+            qd.reshape(n, self.num_kv_heads, group, self.head_dim),
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=mask,
+            attn_mask=d.mask,
             scale=self.scale,
         )
-        out[flat_rows] = o.reshape(n, self.num_heads, self.head_dim)
+        o = o.reshape(n, self.num_heads, self.head_dim)
+        if d.flat_rows is None:
+            out.copy_(o)
+        else:
+            out[d.flat_rows] = o
 
 
 class MLP(nn.Module):
@@ -325,6 +364,10 @@ class Transformer(nn.Module):
 
     def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
         """Run one step; return float32 logits ``[len(logit_rows), vocab]``."""
+        if inputs.decode is None and inputs.decode_rows:
+            inputs = dataclasses.replace(
+                inputs, decode=DecodeBatch.build(inputs, cache.block_size, self.embed_tokens.dtype)
+            )
         x = F.embedding(inputs.input_ids, self.embed_tokens)
         freqs = inputs.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

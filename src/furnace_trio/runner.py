@@ -10,6 +10,7 @@ Trio retires idle worker threads and a step may land on a fresh one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from .loader import LoadedModel
-from .model import KVCache, StepInputs, Transformer
+from .model import KVCache, Linear, StepInputs, Transformer
 from .model_config import ModelConfig
-from .plan import SampledToken, SampleSpec, StepPlan
+from .plan import ChunkPlan, SampledToken, SampleSpec, StepPlan
+from .quant import quantize_linears, resolve_quantization
 from .sampling import GeneratorStore, sample
 
 logger = logging.getLogger(__name__)
@@ -49,11 +51,16 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
+    """How to run a model. ``quantization`` is ``none`` (float reference), ``int8`` (CPU,
+    see :mod:`furnace_trio.quant`) or ``auto`` (int8 on the CPU, none on a GPU); the runner
+    default is the float reference, the server's default is ``auto``."""
+
     device: str = "auto"
     dtype: str | None = None
     kv_cache_bytes: int = 1 << 30
     block_size: int = DEFAULT_BLOCK_SIZE
     max_context: int | None = None
+    quantization: str = "none"
 
 
 class ModelRunner:
@@ -67,6 +74,12 @@ class ModelRunner:
         self.config = config
         weights = {k: v.to(device=self.device, dtype=self.dtype) for k, v in weights.items()}
         self.model = Transformer(config, weights).eval()
+        self.quantization = resolve_quantization(settings.quantization, self.device)
+        if self.quantization == "int8":
+            if self.dtype != torch.float32:
+                raise ValueError("int8 quantization needs dtype float32 (CPU)")
+            replaced = quantize_linears(self.model, Linear)
+            logger.info("runner: %d linear layers quantized to int8", replaced)
         per_block = KVCache.bytes_per_block(config, settings.block_size, self.dtype)
         num_blocks = max(1, settings.kv_cache_bytes // per_block)
         self.cache = KVCache(
@@ -80,10 +93,11 @@ class ModelRunner:
         self._max_context = min(settings.max_context or limit, limit)
         self.generators = GeneratorStore(self.device)
         logger.info(
-            "runner: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB), context %d",
+            "runner: %s on %s/%s (%s), %d KV blocks of %d tokens (%.0f MiB), context %d",
             config.architecture,
             self.device,
             str(self.dtype).removeprefix("torch."),
+            self.quantization,
             num_blocks,
             settings.block_size,
             num_blocks * per_block / 2**20,
@@ -136,6 +150,23 @@ class ModelRunner:
         with torch.inference_mode():
             self.cache.copy_blocks(plan.block_copies)
             return self._forward(plan, all_rows=True)
+
+    def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Next-token logits at every position of one sequence, ``[len, vocab]`` float32.
+
+        For perplexity (tests, benchmarks). It writes the KV cache from block 0 on, so it must
+        not run while an engine is serving from this runner.
+        """
+        n = len(token_ids)
+        blocks = -(-n // self.block_size)
+        if n == 0 or blocks > self.num_blocks:
+            raise ValueError(f"need 1..{self.num_blocks * self.block_size} tokens, got {n}")
+        plan = StepPlan((ChunkPlan(0, tuple(token_ids), 0, tuple(range(blocks))),))
+        with torch.inference_mode():
+            inputs = build_inputs(plan, self.block_size, self.device)
+            every = torch.arange(n, dtype=torch.int64, device=self.device)
+            inputs = dataclasses.replace(inputs, logit_rows=every)
+            return self.model(inputs, self.cache)
 
     def _forward(self, plan: StepPlan, *, all_rows: bool = False) -> torch.Tensor:
         inputs = build_inputs(plan, self.block_size, self.device, all_rows=all_rows)
