@@ -263,3 +263,28 @@ async def test_bad_history_is_400(served: Served) -> None:
             )
             assert response.status_code == 400, messages
             assert response.json()["error"]["param"].startswith("messages[0]")
+
+
+async def test_tool_calls_in_a_session_turn_and_its_follow_up(served: Served) -> None:
+    """A session turn parses calls like a stateless one; the next turn sends only the tool
+    result, and the session's history supplies the call it answers."""
+    async with client(served) as c:
+        first = await c.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "weather?"}],
+            tools=[WEATHER],
+            extra_body={"session_id": "tools-1"},
+        )
+        call = first.choices[0].message.tool_calls
+        assert first.choices[0].finish_reason == "tool_calls"
+        assert call is not None and call[0].function.name == "get_weather"
+        assert json.loads(call[0].function.arguments) == {"city": "Paris"}
+        second = await c.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "tool", "tool_call_id": call[0].id, "content": "21 C"}],
+            tools=[WEATHER],
+            extra_body={"session_id": "tools-1"},
+        )
+    assert second.choices[0].message.content == "It is 21 C in Paris."
+    assert second.choices[0].finish_reason == "stop"
+    assert "<tool_response>" in PROMPTS[-1] and "get_weather" in PROMPTS[-1]

@@ -401,22 +401,8 @@ def _register_routes(app: QuartTrio, state: ServerState) -> None:
         _check_model(backend, parsed.model)
         session_id = _session_id(body)
         if session_id is not None:
-            return await _session_chat(backend, parsed, session_id)
-        prompt_ids = await trio.to_thread.run_sync(_render_chat, backend, parsed)
-        constraint = None
-        if parsed.response_format is not None or parsed.tool_choice in ("required", "function"):
-            if state.grammar is None:
-                state.grammar = GrammarCompiler(backend.tokenizer)
-            constraint = await trio.to_thread.run_sync(_constraint, state, backend, parsed)
-        return await _generate(
-            backend,
-            "chat",
-            parsed,
-            prompt_ids,
-            "messages",
-            _tool_stream(state, backend, parsed),
-            constraint=constraint,
-        )
+            return await _session_chat(state, backend, parsed, session_id)
+        return await _chat(state, backend, parsed)
 
     @app.post("/v1/completions")
     async def completions() -> Response:
@@ -472,7 +458,31 @@ def _session_busy(exc: Exception) -> APIError:
     )
 
 
-async def _session_chat(backend: Backend, parsed: ChatRequest, session_id: str) -> Response:
+async def _chat(
+    state: ServerState, backend: Backend, parsed: ChatRequest, turn: Turn | None = None
+) -> Response:
+    """Render, tokenize, set up tool parsing and any grammar, then generate."""
+    prompt_ids = await trio.to_thread.run_sync(_render_chat, backend, parsed)
+    constraint = None
+    if parsed.response_format is not None or parsed.tool_choice in ("required", "function"):
+        if state.grammar is None:
+            state.grammar = GrammarCompiler(backend.tokenizer)
+        constraint = await trio.to_thread.run_sync(_constraint, state, backend, parsed)
+    return await _generate(
+        backend,
+        "chat",
+        parsed,
+        prompt_ids,
+        "messages",
+        _tool_stream(state, backend, parsed),
+        constraint=constraint,
+        turn=turn,
+    )
+
+
+async def _session_chat(
+    state: ServerState, backend: Backend, parsed: ChatRequest, session_id: str
+) -> Response:
     """A session turn: its history plus the new messages, rendered whole. The session's
     pinned blocks are in the prefix cache, so only the tokens after the longest common
     prefix compute. The request stream commits the turn when it finishes and ends it when
@@ -488,8 +498,7 @@ async def _session_chat(backend: Backend, parsed: ChatRequest, session_id: str) 
         raise invalid_request(str(exc), "session_id") from None
     try:
         full = dataclasses.replace(parsed, messages=tuple(turn.messages))
-        prompt_ids = await trio.to_thread.run_sync(_render_chat, backend, full)
-        response = await _generate(backend, "chat", full, prompt_ids, "messages", turn=turn)
+        response = await _chat(state, backend, full, turn)
     except BaseException:
         engine.end_turn(turn)
         raise
