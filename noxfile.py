@@ -50,6 +50,13 @@ def serve(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Engine-level benchmarks against transformers on the default model."""
+    """Engine-level and HTTP speed against transformers, and int8 quality (about 10 minutes).
+
+    ``nox -s bench -- --quick`` is a smoke run of the two speed benchmarks.
+    """
     _install(session, "test")
-    session.run("python", "benchmarks/bench_engine.py", *session.posargs)
+    session.chdir("benchmarks")
+    session.run("python", "bench_engine.py", *session.posargs)
+    session.run("python", "bench_http.py", "--quant", "int8", *session.posargs)
+    if "--quick" not in session.posargs:
+        session.run("python", "bench_quality.py")

@@ -1,0 +1,100 @@
+"""Shared pieces of the benchmarks: prompts, percentiles, the transformers reference model."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from typing import Any
+
+import torch
+
+from furnace_trio.loader import LoadedModel
+
+PROMPTS: tuple[str, ...] = (
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about autumn leaves.",
+    "Explain what a hash table is to a beginner.",
+    "List three uses of copper.",
+    "How do airplanes stay in the air?",
+    "Give me a recipe for pancakes.",
+    "What causes the seasons on Earth?",
+    "Translate 'good morning' into Spanish and French.",
+    "Write a Python function that reverses a string.",
+    "Why is the sky blue?",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "What are the benefits of regular exercise?",
+    "Describe a cat to someone who has never seen one.",
+    "What is photosynthesis?",
+    "Suggest a name for a small coffee shop.",
+    "How many legs does a spider have, and why?",
+    "Tell me a fun fact about octopuses.",
+    "What is the difference between weather and climate?",
+    "Write a short thank-you note to a teacher.",
+    "Explain recursion with a simple example.",
+)
+
+
+def chat_ids(loaded: LoadedModel, prompt: str) -> list[int]:
+    tok = loaded.tokenizer
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True
+    )
+    return tok.encode(text, add_special_tokens=False)
+
+
+def long_prompt_ids(loaded: LoadedModel, n: int = 1000) -> list[int]:
+    """Exactly ``n`` tokens of plain text (a paragraph repeated), for prefill speed."""
+    path = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "perplexity.txt")
+    with open(path) as text:
+        ids = loaded.tokenizer.encode(text.read(), add_special_tokens=False)
+    while len(ids) < n:
+        ids = ids + ids
+    return ids[:n]
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores visible, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), Python {platform.python_version()}"
+    )
+
+
+def transformers_model(loaded: LoadedModel) -> Any:
+    """transformers' LlamaForCausalLM on our loaded float32 weights (no accelerate needed)."""
+    import transformers
+
+    c = loaded.config
+    hf_config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+    )
+    model = transformers.LlamaForCausalLM(hf_config).eval()
+    model.load_state_dict(dict(loaded.weights), strict=False)
+    model.tie_weights()
+    return model
