@@ -198,10 +198,26 @@ def test_completion_bad_fields_name_their_param(fields: dict[str, Any], param: s
 def test_resolve_max_tokens() -> None:
     assert resolve_max_tokens(None, prompt_tokens=10, max_context=100, default=None) == 90
     assert resolve_max_tokens(None, prompt_tokens=10, max_context=100, default=16) == 16
-    assert resolve_max_tokens(500, prompt_tokens=10, max_context=100, default=16) == 90
+    assert resolve_max_tokens(None, prompt_tokens=90, max_context=100, default=16) == 10
+    assert resolve_max_tokens(90, prompt_tokens=10, max_context=100, default=16) == 90
     with pytest.raises(APIError) as info:
         resolve_max_tokens(5, prompt_tokens=100, max_context=100, default=None)
     assert info.value.status == 400 and info.value.code == "context_length_exceeded"
+    assert info.value.param == "messages"
+
+
+def test_max_tokens_beyond_the_context_is_400_naming_it() -> None:
+    with pytest.raises(APIError) as info:
+        resolve_max_tokens(
+            91,
+            prompt_tokens=10,
+            max_context=100,
+            default=None,
+            max_tokens_param="max_completion_tokens",
+        )
+    assert info.value.status == 400 and info.value.code == "context_length_exceeded"
+    assert info.value.param == "max_completion_tokens"
+    assert "at most 90" in info.value.message
 
 
 def test_server_config_from_env() -> None:

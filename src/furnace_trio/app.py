@@ -50,10 +50,12 @@ from .engine import (
 from .errors import APIError, invalid_request
 from .grammar import GrammarCompiler, GrammarError
 from .metrics import render_metrics
+from .openapi import openapi_document
 from .params import TokenConstraint
 from .protocol import (
     ChatRequest,
     CompletionRequest,
+    max_prompt_chars,
     parse_chat_request,
     parse_completion_request,
     resolve_max_tokens,
@@ -373,6 +375,12 @@ def _register_routes(app: QuartTrio, state: ServerState) -> None:
         text += render_fallback_metrics(state.tool_call_fallbacks)
         return Response(text, mimetype="text/plain; version=0.0.4")
 
+    openapi_body = dumps(openapi_document())  # built from the validator's own field tables
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return Response(openapi_body, mimetype="application/json")
+
     def model_card(backend: Backend) -> dict[str, Any]:
         return {
             "id": backend.model_name,
@@ -397,9 +405,13 @@ def _register_routes(app: QuartTrio, state: ServerState) -> None:
     async def chat_completions() -> Response:
         body = await _read_body()
         backend = state.serving_backend()
-        parsed = parse_chat_request(body, vocab_size=backend.tokenizer.vocab_size)
+        parsed = parse_chat_request(
+            body,
+            vocab_size=backend.tokenizer.vocab_size,
+            max_prompt_chars=max_prompt_chars(backend.max_context),
+        )
         _check_model(backend, parsed.model)
-        session_id = _session_id(body)
+        session_id = _session_id(parsed)
         if session_id is not None:
             return await _session_chat(state, backend, parsed, session_id)
         return await _chat(state, backend, parsed)
@@ -408,7 +420,11 @@ def _register_routes(app: QuartTrio, state: ServerState) -> None:
     async def completions() -> Response:
         body = await _read_body()
         backend = state.serving_backend()
-        parsed = parse_completion_request(body, vocab_size=backend.tokenizer.vocab_size)
+        parsed = parse_completion_request(
+            body,
+            vocab_size=backend.tokenizer.vocab_size,
+            max_prompt_chars=max_prompt_chars(backend.max_context),
+        )
         _check_model(backend, parsed.model)
         if isinstance(parsed.prompt, str):
             prompt_ids = await trio.to_thread.run_sync(_encode_prompt, backend, parsed.prompt)
@@ -428,13 +444,11 @@ def _owner() -> str:
     return owner_of(token if scheme.lower() == "bearer" and token else None)
 
 
-def _session_id(body: bytes) -> str | None:
-    """``session_id`` from the body (``extra_body`` in the SDK) or the ``X-Session-Id``
-    header; when both are given they must agree."""
+def _session_id(parsed: ChatRequest) -> str | None:
+    """``session_id`` from the body (``extra_body`` in the SDK; checked by the protocol) or
+    the ``X-Session-Id`` header; when both are given they must agree."""
     header = request.headers.get("X-Session-Id")
-    value = json.loads(body).get("session_id")  # parse_chat_request accepted it: a JSON object
-    if value is not None and (not isinstance(value, str) or not 1 <= len(value) <= 256):
-        raise invalid_request("session_id must be a string of 1 to 256 characters", "session_id")
+    value = parsed.session_id
     if header is not None and not 1 <= len(header) <= 256:
         raise invalid_request("X-Session-Id must have 1 to 256 characters", "session_id")
     if value is not None and header is not None and value != header:
@@ -640,6 +654,8 @@ async def _generate(
         prompt_tokens=len(prompt_ids),
         max_context=backend.max_context,
         default=None if kind == "chat" else COMPLETIONS_DEFAULT_MAX_TOKENS,
+        prompt_param=prompt_param,
+        max_tokens_param=parsed.sampling.max_tokens_param,
     )
     try:
         params = parsed.sampling.to_params(max_tokens)

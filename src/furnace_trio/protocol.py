@@ -15,6 +15,7 @@ Rules that keep the server safe from surprising input:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -27,15 +28,32 @@ import jsonschema
 
 from .errors import APIError, invalid_request
 from .params import SamplingParams
+from .schemas import (
+    CHAT_FIELDS,
+    CHAT_ROLES,
+    COMPLETION_FIELDS,
+    MAX_CHARS_PER_TOKEN,
+    MAX_JSON_DEPTH,
+    MAX_LOGIT_BIAS,
+    MAX_MESSAGES,
+    MAX_STOP_LENGTH,
+    MAX_STOP_SEQUENCES,
+    FieldSpec,
+)
 
-MAX_N = 16
-MAX_STOP_SEQUENCES = 16
-MAX_CHAT_TOP_LOGPROBS = 20
-MAX_COMPLETION_LOGPROBS = 5
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-_SEED_LIMIT = 2**63
+__all__ = [
+    "ChatRequest",
+    "CompletionRequest",
+    "ResponseFormat",
+    "SamplingOptions",
+    "parse_chat_request",
+    "parse_completion_request",
+    "parse_json_body",
+    "resolve_max_tokens",
+]
 
 _MISSING: Any = object()
+_TOKEN_ID_KEY = re.compile(r"^[0-9]{1,10}$")
 
 
 def parse_json_body(body: bytes) -> dict[str, Any]:
@@ -47,14 +65,42 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
     if not text.strip():
         raise invalid_request("request body is empty; expected a JSON object")
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
         raise invalid_request(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise invalid_request("request body is nested too deeply") from None
     if not isinstance(value, dict):
         raise invalid_request(f"request body must be a JSON object, not {_kind(value)}")
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise invalid_request(
+            f"request body is nested too deeply (more than {MAX_JSON_DEPTH} levels)"
+        )
     return value
+
+
+def _reject_constant(name: str) -> Any:
+    # Python's json accepts NaN and Infinity; JSON does not, and neither do we.
+    raise invalid_request(f"request body is not valid JSON: {name} is not a JSON value")
+
+
+def _depth(value: object) -> int:
+    """Nesting depth of decoded JSON, iteratively (a recursive walk could itself overflow)."""
+    deepest = 0
+    pending: list[tuple[object, int]] = [(value, 1)]
+    while pending:
+        item, level = pending.pop()
+        if isinstance(item, dict):
+            items: Any = item.values()
+        elif isinstance(item, list):
+            items = item
+        else:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_JSON_DEPTH:
+            return deepest
+        pending.extend((child, level + 1) for child in items)
+    return deepest
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +125,8 @@ class SamplingOptions:
     n: int = 1
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    #: The field ``max_tokens`` came from, named by a ``context_length_exceeded`` error.
+    max_tokens_param: str = "max_tokens"
 
     def to_params(self, max_tokens: int) -> SamplingParams:
         """The engine's parameters with ``max_tokens`` resolved."""
@@ -121,6 +169,7 @@ class ChatRequest:
     tool_function: str | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    session_id: str | None = None
 
     @property
     def tool_schemas(self) -> dict[str, Mapping[str, Any] | None]:
@@ -152,30 +201,76 @@ class CompletionRequest:
     logprobs: int | None = None
 
 
-def parse_chat_request(body: bytes, *, vocab_size: int) -> ChatRequest:
-    """Validate a chat completions body; raise a 400 :class:`APIError` naming the field."""
-    data = parse_json_body(body)
-    messages = _messages(data.get("messages", _MISSING))
-    logprobs = _bool(data, "logprobs", False)
-    top_logprobs = _int(data, "top_logprobs", 0, low=0, high=MAX_CHAT_TOP_LOGPROBS)
+class _Body:
+    """A decoded body read only through its field table.
+
+    Reading a field that the table does not declare is a ``KeyError`` (a bug here, not a bad
+    request): so every field the validator looks at is one the OpenAPI document publishes.
+    Scalar fields are checked generically from their :class:`FieldSpec`.
+    """
+
+    __slots__ = ("data", "fields")
+
+    def __init__(self, data: Mapping[str, Any], fields: Mapping[str, FieldSpec]) -> None:
+        self.data = data
+        self.fields = fields
+
+    def raw(self, name: str) -> Any:
+        """The value as sent (``None`` when absent or ``null``), for structured fields."""
+        if name not in self.fields:
+            raise KeyError(f"{name} is not a declared request field")
+        return self.data.get(name)
+
+    def get(self, name: str) -> Any:
+        """A scalar field, type- and range-checked, or its default when absent/``null``."""
+        spec = self.fields[name]
+        value = self.raw(name)
+        if value is None:
+            return spec.default
+        if spec.type == "boolean":
+            return _check_bool(name, value)
+        if spec.type == "integer":
+            return _check_int(name, value, spec.low, spec.high)
+        if spec.type == "number":
+            return _check_float(name, value, spec.low, spec.high, spec.low_open)
+        if spec.type == "string":
+            return _check_str(name, value, spec.low, spec.high)
+        raise KeyError(f"{name} is structured; read it with raw()")
+
+
+def parse_chat_request(
+    body: bytes, *, vocab_size: int, max_prompt_chars: int | None = None
+) -> ChatRequest:
+    """Validate a chat completions body; raise a 400 :class:`APIError` naming the field.
+
+    ``max_prompt_chars`` (see :func:`max_prompt_chars`) refuses message text that cannot
+    fit the context before anything renders or tokenizes it.
+    """
+    data = _Body(parse_json_body(body), CHAT_FIELDS)
+    messages = _messages(data.raw("messages"), max_prompt_chars)
+    logprobs = data.get("logprobs")
+    top_logprobs = data.get("top_logprobs")
     if top_logprobs and not logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    max_tokens = _int(data, "max_completion_tokens", None, low=1)
+    max_tokens, max_tokens_param = data.get("max_completion_tokens"), "max_completion_tokens"
     if max_tokens is None:
-        max_tokens = _int(data, "max_tokens", None, low=1)
-    tools = _tools(data.get("tools"))
-    tool_choice, tool_function = _tool_choice(data.get("tool_choice"), tools)
-    parallel_tool_calls = _bool(data, "parallel_tool_calls", True)
-    response_format = _response_format(data.get("response_format"))
+        max_tokens, max_tokens_param = data.get("max_tokens"), "max_tokens"
+    tools = _tools(data.raw("tools"))
+    tool_choice, tool_function = _tool_choice(data.raw("tool_choice"), tools)
+    parallel_tool_calls = data.get("parallel_tool_calls")
+    response_format = _response_format(data.raw("response_format"))
     stream, include_usage = _stream(data)
     return ChatRequest(
-        model=_model(data),
+        model=data.get("model") or None,
         messages=messages,
-        sampling=_sampling(
-            data,
-            max_tokens=max_tokens,
-            logprobs=top_logprobs if logprobs else None,
-            vocab_size=vocab_size,
+        sampling=dataclasses.replace(
+            _sampling(
+                data,
+                max_tokens=max_tokens,
+                logprobs=top_logprobs if logprobs else None,
+                vocab_size=vocab_size,
+            ),
+            max_tokens_param=max_tokens_param,
         ),
         stream=stream,
         include_usage=include_usage,
@@ -186,28 +281,34 @@ def parse_chat_request(body: bytes, *, vocab_size: int) -> ChatRequest:
         tool_function=tool_function,
         parallel_tool_calls=parallel_tool_calls,
         response_format=response_format,
+        session_id=data.get("session_id"),
     )
 
 
-def parse_completion_request(body: bytes, *, vocab_size: int) -> CompletionRequest:
+def parse_completion_request(
+    body: bytes, *, vocab_size: int, max_prompt_chars: int | None = None
+) -> CompletionRequest:
     """Validate a (legacy) completions body; raise a 400 :class:`APIError` naming the field."""
-    data = parse_json_body(body)
-    prompt = _prompt(data.get("prompt", _MISSING), vocab_size)
-    logprobs = _int(data, "logprobs", None, low=0, high=MAX_COMPLETION_LOGPROBS)
-    if _bool(data, "echo", False):
+    data = _Body(parse_json_body(body), COMPLETION_FIELDS)
+    prompt = _prompt(data.raw("prompt"), vocab_size)
+    if isinstance(prompt, str) and max_prompt_chars is not None and len(prompt) > max_prompt_chars:
+        raise _too_long("prompt", len(prompt), max_prompt_chars)
+    logprobs = data.get("logprobs")
+    echo = data.raw("echo")
+    if echo is not None and _check_bool("echo", echo):
         raise invalid_request("echo is not supported", "echo")
-    best_of = _int(data, "best_of", None, low=1)
-    if best_of is not None and best_of != _int(data, "n", 1, low=1):
+    best_of = data.get("best_of")
+    if best_of is not None and best_of != data.get("n"):
         raise invalid_request("best_of is not supported (it must equal n)", "best_of")
-    if data.get("suffix") not in (None, ""):
+    if data.raw("suffix") not in (None, ""):
         raise invalid_request("suffix is not supported", "suffix")
     stream, include_usage = _stream(data)
     return CompletionRequest(
-        model=_model(data),
+        model=data.get("model") or None,
         prompt=prompt,
         sampling=_sampling(
             data,
-            max_tokens=_int(data, "max_tokens", None, low=1),
+            max_tokens=data.get("max_tokens"),
             logprobs=logprobs,
             vocab_size=vocab_size,
         ),
@@ -217,16 +318,38 @@ def parse_completion_request(body: bytes, *, vocab_size: int) -> CompletionReque
     )
 
 
+def max_prompt_chars(max_context: int) -> int:
+    """The most prompt characters worth rendering for a context of ``max_context`` tokens."""
+    return max_context * MAX_CHARS_PER_TOKEN
+
+
+def _too_long(param: str, chars: int, limit: int) -> APIError:
+    return APIError(
+        400,
+        f"The {param} hold {chars} characters; this model's context cannot hold more than "
+        f"{limit} ({MAX_CHARS_PER_TOKEN} characters per token at most). Shorten the {param}.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
 def resolve_max_tokens(
-    requested: int | None, *, prompt_tokens: int, max_context: int, default: int | None
+    requested: int | None,
+    *,
+    prompt_tokens: int,
+    max_context: int,
+    default: int | None,
+    prompt_param: str = "messages",
+    max_tokens_param: str = "max_tokens",
 ) -> int:
     """Check the prompt fits the context and choose ``max_tokens``.
 
     A prompt that leaves no room for one generated token is a 400
-    (``context_length_exceeded``). A ``max_tokens`` beyond the context is clamped to what is
-    left, so generation ends with ``finish_reason == "length"`` at the context limit rather
-    than failing a request that asked for "a lot". ``default is None`` means "as much as
-    the context allows".
+    (``context_length_exceeded``, naming the prompt), and so is a ``requested`` count that
+    does not fit beside the prompt (naming ``max_tokens``), as OpenAI and vLLM answer: a
+    silent clamp would hide from the client that it asked for more than the model can do.
+    Without a request, ``default`` is clamped to the room left; ``default is None`` means
+    "as much as the context allows".
     """
     room = max_context - prompt_tokens
     if room < 1:
@@ -234,11 +357,21 @@ def resolve_max_tokens(
             400,
             f"This model's maximum context length is {max_context} tokens; the prompt has "
             f"{prompt_tokens} tokens, leaving no room to generate. Shorten the prompt.",
-            param="messages" if default is None else "prompt",
+            param=prompt_param,
             code="context_length_exceeded",
         )
-    wanted = requested if requested is not None else default
-    return room if wanted is None else min(wanted, room)
+    if requested is not None:
+        if requested > room:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_context} tokens; the prompt has "
+                f"{prompt_tokens} tokens and {max_tokens_param} asks for {requested} more. "
+                f"Ask for at most {room}, or shorten the prompt.",
+                param=max_tokens_param,
+                code="context_length_exceeded",
+            )
+        return requested
+    return room if default is None else min(default, room)
 
 
 # --- field helpers -------------------------------------------------------------------------
@@ -260,34 +393,22 @@ def _kind(value: object) -> str:
     return type(value).__name__
 
 
-def _model(data: Mapping[str, Any]) -> str | None:
-    model = data.get("model")
-    if model is not None and not isinstance(model, str):
-        raise invalid_request(f"model must be a string, not {_kind(model)}", "model")
-    return model or None
-
-
-def _bool(data: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = data.get(name)
-    if value is None:
-        return default
+def _check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise invalid_request(f"{name} must be a boolean, not {_kind(value)}", name)
     return value
 
 
-def _int(
-    data: Mapping[str, Any],
-    name: str,
-    default: Any,
-    *,
-    low: int | None = None,
-    high: int | None = None,
-) -> Any:
-    value = data.get(name)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer() and math.isfinite(value):
+def _check_str(name: str, value: object, low: float | None, high: float | None) -> str:
+    if not isinstance(value, str):
+        raise invalid_request(f"{name} must be a string, not {_kind(value)}", name)
+    if (low is not None and len(value) < low) or (high is not None and len(value) > high):
+        raise invalid_request(f"{name} must have {low or 0} to {high} characters", name)
+    return value
+
+
+def _check_int(name: str, value: object, low: float | None, high: float | None) -> int:
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid_request(f"{name} must be an integer, not {_kind(value)}", name)
@@ -295,21 +416,15 @@ def _int(
     return value
 
 
-def _float(
-    data: Mapping[str, Any],
-    name: str,
-    default: float,
-    *,
-    low: float | None = None,
-    high: float | None = None,
-    low_open: bool = False,
+def _check_float(
+    name: str, value: object, low: float | None, high: float | None, low_open: bool
 ) -> float:
-    value = data.get(name)
-    if value is None:
-        return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise invalid_request(f"{name} must be a number, not {_kind(value)}", name)
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond any float
+        number = math.inf
     if not math.isfinite(number):
         raise invalid_request(f"{name} must be finite", name)
     if low_open and low is not None and number <= low:
@@ -329,9 +444,9 @@ def _check_range(name: str, value: float, low: float | None, high: float | None)
         raise invalid_request(f"{name} must be {bounds}, got {value}", name)
 
 
-def _stream(data: Mapping[str, Any]) -> tuple[bool, bool]:
-    stream = _bool(data, "stream", False)
-    options = data.get("stream_options")
+def _stream(data: _Body) -> tuple[bool, bool]:
+    stream: bool = data.get("stream")
+    options = data.raw("stream_options")
     if options is None:
         return stream, False
     if not isinstance(options, dict):
@@ -347,29 +462,24 @@ def _stream(data: Mapping[str, Any]) -> tuple[bool, bool]:
 
 
 def _sampling(
-    data: Mapping[str, Any], *, max_tokens: int | None, logprobs: int | None, vocab_size: int
+    data: _Body, *, max_tokens: int | None, logprobs: int | None, vocab_size: int
 ) -> SamplingOptions:
-    top_k = _int(data, "top_k", None)
-    if top_k is not None and top_k < -1:
-        raise invalid_request(f"top_k must be -1 (disabled) or at least 1, got {top_k}", "top_k")
-    seed = _int(data, "seed", None, low=-_SEED_LIMIT, high=_SEED_LIMIT - 1)
+    top_k = data.get("top_k")
     return SamplingOptions(
         max_tokens=max_tokens,
-        temperature=_float(data, "temperature", 1.0, low=0.0, high=2.0),
-        top_p=_float(data, "top_p", 1.0, low=0.0, high=1.0, low_open=True),
+        temperature=data.get("temperature"),
+        top_p=data.get("top_p"),
         top_k=top_k if top_k is not None and top_k > 0 else None,
-        min_p=_float(data, "min_p", 0.0, low=0.0, high=1.0),
-        presence_penalty=_float(data, "presence_penalty", 0.0, low=-2.0, high=2.0),
-        frequency_penalty=_float(data, "frequency_penalty", 0.0, low=-2.0, high=2.0),
-        repetition_penalty=_float(
-            data, "repetition_penalty", 1.0, low=0.0, high=2.0, low_open=True
-        ),
-        logit_bias=_logit_bias(data.get("logit_bias"), vocab_size),
-        seed=seed,
+        min_p=data.get("min_p"),
+        presence_penalty=data.get("presence_penalty"),
+        frequency_penalty=data.get("frequency_penalty"),
+        repetition_penalty=data.get("repetition_penalty"),
+        logit_bias=_logit_bias(data.raw("logit_bias"), vocab_size),
+        seed=data.get("seed"),
         logprobs=logprobs,
-        n=_int(data, "n", 1, low=1, high=MAX_N),
-        stop=_stop(data.get("stop")),
-        ignore_eos=_bool(data, "ignore_eos", False),
+        n=data.get("n"),
+        stop=_stop(data.raw("stop")),
+        ignore_eos=data.get("ignore_eos"),
     )
 
 
@@ -378,14 +488,18 @@ def _logit_bias(value: object, vocab_size: int) -> Mapping[int, float]:
         return MappingProxyType({})
     if not isinstance(value, dict):
         raise invalid_request(f"logit_bias must be an object, not {_kind(value)}", "logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise invalid_request(
+            f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}",
+            "logit_bias",
+        )
     bias: dict[int, float] = {}
     for key, amount in value.items():
-        try:
-            token_id = int(key)
-        except ValueError:
+        if not _TOKEN_ID_KEY.match(key):
             raise invalid_request(
-                f"logit_bias keys must be token ids as strings, got {key!r}", "logit_bias"
-            ) from None
+                f"logit_bias keys must be token ids as strings, got {key[:32]!r}", "logit_bias"
+            )
+        token_id = int(key)
         if not 0 <= token_id < vocab_size:
             raise invalid_request(
                 f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab_size - 1})",
@@ -418,6 +532,11 @@ def _stop(value: object) -> tuple[str, ...]:
     for item in value:
         if not isinstance(item, str):
             raise invalid_request(f"stop sequences must be strings, not {_kind(item)}", "stop")
+        if len(item) > MAX_STOP_LENGTH:
+            raise invalid_request(
+                f"stop sequences may have at most {MAX_STOP_LENGTH} characters, got {len(item)}",
+                "stop",
+            )
         if item and item not in stops:
             stops.append(item)
     return tuple(stops)
@@ -516,16 +635,12 @@ def _response_format(value: object) -> ResponseFormat | None:
             f"response_format must be an object, not {_kind(value)}", "response_format"
         )
     kind = value.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return ResponseFormat("json_object")
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict):
-            raise invalid_request(
-                "response_format.json_schema must be an object", "response_format.json_schema"
-            )
+    spec = value.get("json_schema", _MISSING)
+    if spec is not _MISSING and not isinstance(spec, dict):
+        raise invalid_request(
+            "response_format.json_schema must be an object", "response_format.json_schema"
+        )
+    if isinstance(spec, dict):
         name = spec.get("name")
         if name is not None and not isinstance(name, str):
             raise invalid_request(
@@ -533,6 +648,20 @@ def _response_format(value: object) -> ResponseFormat | None:
                 "response_format.json_schema.name",
             )
         schema = spec.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise invalid_request(
+                "response_format.json_schema.schema must be a JSON schema object",
+                "response_format.json_schema.schema",
+            )
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    if kind == "json_schema":
+        if not isinstance(spec, dict):
+            raise invalid_request(
+                "response_format.json_schema must be an object", "response_format.json_schema"
+            )
         if schema is None:
             return ResponseFormat("json_object", name=name)
         return ResponseFormat(
@@ -577,14 +706,23 @@ def _tool_calls(value: object, where: str) -> list[dict[str, Any]]:
     return calls
 
 
-def _messages(value: object) -> tuple[Mapping[str, Any], ...]:
+def _messages(value: object, max_chars: int | None) -> tuple[Mapping[str, Any], ...]:
     if value is _MISSING or value is None:
         raise invalid_request("messages is required", "messages")
     if not isinstance(value, list):
         raise invalid_request(f"messages must be an array, not {_kind(value)}", "messages")
     if not value:
         raise invalid_request("messages must not be empty", "messages")
-    return tuple(_message(item, f"messages[{i}]") for i, item in enumerate(value))
+    if len(value) > MAX_MESSAGES:
+        raise invalid_request(
+            f"messages may hold at most {MAX_MESSAGES} messages, got {len(value)}", "messages"
+        )
+    messages = tuple(_message(item, f"messages[{i}]") for i, item in enumerate(value))
+    if max_chars is not None:
+        chars = sum(len(m["content"] or "") for m in messages)
+        if chars > max_chars:
+            raise _too_long("messages", chars, max_chars)
+    return messages
 
 
 def _message(value: object, where: str) -> Mapping[str, Any]:
@@ -658,7 +796,13 @@ def _prompt(value: object, vocab_size: int) -> str | tuple[int, ...]:
             "prompt must be a string, a list of one string, or a non-empty list of token ids",
             "prompt",
         )
-    if len(value) == 1 and isinstance(value[0], str | list):
+    if len(value) == 1 and isinstance(value[0], str):
+        return value[0]
+    if len(value) == 1 and isinstance(value[0], list):
+        if not value[0] or not all(isinstance(item, int) for item in value[0]):
+            raise invalid_request(
+                "a prompt nested in a list must be a non-empty list of token ids", "prompt"
+            )
         return _prompt(value[0], vocab_size)
     if all(isinstance(item, str) for item in value):
         raise invalid_request("only one prompt per request is supported", "prompt")
