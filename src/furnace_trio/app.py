@@ -6,9 +6,17 @@ Lifecycle (see ``TRIO-NOTES.md``):
   environment unless one was given), runs the blocking backend factory in a worker thread
   and starts the engine in ``app.nursery`` with ``nursery.start``, so hypercorn accepts
   connections only once the model is ready.
-- The engine runs under a supervisor: if it dies, ``/health`` and every new request answer
-  503, and streams in flight end with an SSE error event. ``after_serving`` shuts the
-  engine down and cancels it explicitly (quart-trio would wait 5 s for it otherwise).
+- The engine runs under a supervisor: if it dies (or its step watchdog fires), ``/health``
+  and every new request answer 503, and streams in flight end with an SSE error event;
+  with ``exit_on_engine_failure`` the process then exits with :data:`ENGINE_FAILURE_EXIT`.
+  ``after_serving`` drains, shuts the engine down and cancels it explicitly (quart-trio
+  would wait 5 s for it otherwise).
+- Drain (:func:`drain`): stop admitting (503 with ``Retry-After``, ``/health`` 503), let
+  requests in flight finish for ``drain_timeout_s``, then fail the rest (an SSE error
+  event or a 503 error object, never a silent cut). Hypercorn calls ``after_serving`` only
+  once its connections are closed, so a server that wants the drain to cover requests in
+  flight runs it *before* telling hypercorn to stop: :func:`drain_then` wraps a
+  ``shutdown_trigger`` (``python -m furnace_trio.serve`` does this on SIGTERM/SIGINT).
 - Cancellation: each generation registers its request id in the ASGI scope. The handler's
   ``finally`` aborts it (sync, idempotent); :class:`AbortOnExit`, an ASGI wrapper around the
   whole app, aborts every registered id again on the way out, which covers a client that
@@ -22,10 +30,11 @@ import dataclasses
 import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +50,7 @@ from .engine import (
     EngineBusy,
     EngineUnavailable,
     Failed,
+    FailureCause,
     Finished,
     GenerationRequest,
     RequestRejected,
@@ -77,6 +87,12 @@ SCOPE_KEY = "furnace_trio.request_ids"
 STATE_KEY = "furnace_trio"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 BUSY_RETRY_AFTER_S = 1
+#: Exit status when the engine failed and ``exit_on_engine_failure`` is set.
+ENGINE_FAILURE_EXIT = 3
+#: After the engine failed, how long handlers get to write their error events before exit.
+EXIT_GRACE_S = 1.0
+#: After a drain cancelled what was left, how long handlers get to write their errors.
+CANCEL_GRACE_S = 2.0
 
 
 @dataclass(slots=True)
@@ -97,9 +113,15 @@ class ServerState:
     http_responses: Counter[int] = field(default_factory=Counter)
     tool_call_fallbacks: Counter[str] = field(default_factory=Counter)
     grammar: GrammarCompiler | None = None
+    draining: bool = False
+    in_flight: int = 0  # HTTP requests inside the app right now
+    no_requests: trio.Event = field(default_factory=trio.Event)  # set while in_flight == 0
+    exit_process: Callable[[int], object] = os._exit  # tests inject a recorder
 
     def serving_backend(self) -> Backend:
         """The backend if its engine is running, else a 503 :class:`APIError`."""
+        if self.draining:
+            raise _shutting_down()
         backend = self.backend
         if backend is None or not self.engine_running or not backend.engine.alive:
             reason = self.engine_failure or "the engine is not running"
@@ -132,9 +154,16 @@ class AbortOnExit:
                 self.state.http_responses[int(message["status"])] += 1
             await send(message)
 
+        state = self.state
+        if state.in_flight == 0:
+            state.no_requests = trio.Event()
+        state.in_flight += 1
         try:
             await self.inner(scope, receive, counting_send)
         finally:
+            state.in_flight -= 1
+            if state.in_flight == 0:
+                state.no_requests.set()
             backend = self.state.backend
             if backend is not None:
                 for request_id in request_ids:
@@ -179,6 +208,7 @@ def create_app(
 
     @app.after_serving
     async def stop_backend() -> None:
+        await drain(state)
         backend = state.backend
         if backend is not None:
             backend.engine.shutdown()
@@ -207,6 +237,7 @@ async def _supervise_engine(
     async def run_engine(*, task_status: trio.TaskStatus[None]) -> None:
         await engine.run(task_status=task_status)
 
+    failed = False
     with trio.CancelScope() as scope:
         state.engine_scope = scope
         try:
@@ -218,6 +249,7 @@ async def _supervise_engine(
         except Exception as exc:
             if not started:
                 raise
+            failed = True
             state.engine_failure = f"the engine failed: {exc!r}"
             logger.exception("the engine task died; answering 503 from now on")
         finally:
@@ -225,7 +257,71 @@ async def _supervise_engine(
             if state.engine_failure is None:
                 state.engine_failure = engine.failure or "the engine has stopped"
             if engine.failure is not None and not scope.cancel_called:
+                failed = True
                 logger.error("the engine stopped: %s; answering 503 from now on", engine.failure)
+    if failed and state.config is not None and state.config.exit_on_engine_failure:
+        logger.critical(
+            "exiting with status %d so that a supervisor restarts the server",
+            ENGINE_FAILURE_EXIT,
+        )
+        try:
+            await trio.sleep(EXIT_GRACE_S)  # streams in flight write their error events
+        finally:
+            logging.shutdown()
+            state.exit_process(ENGINE_FAILURE_EXIT)
+
+
+def _shutting_down() -> APIError:
+    return APIError(
+        503,
+        "The server is shutting down. Retry shortly.",
+        code="shutting_down",
+        headers={"Retry-After": str(BUSY_RETRY_AFTER_S)},
+    )
+
+
+async def drain(state: ServerState, drain_timeout_s: float | None = None) -> None:
+    """Stop admitting, let requests in flight finish for ``drain_timeout_s`` (default: the
+    configured one), then fail whatever is left and give the handlers a moment to send
+    their errors. Idempotent; bounded by ``drain_timeout_s + CANCEL_GRACE_S``.
+
+    New generation requests get 503 with ``Retry-After`` (a load balancer sends them to
+    another replica); ``/health`` answers 503 so that it stops routing here.
+    """
+    first = not state.draining
+    state.draining = True
+    backend = state.backend
+    if backend is None:
+        return
+    engine = backend.engine
+    engine.drain()
+    if drain_timeout_s is None:
+        drain_timeout_s = state.config.drain_timeout_s if state.config is not None else 0.0
+    if first:
+        logger.info("draining: %d HTTP requests in flight", state.in_flight)
+    with trio.move_on_after(drain_timeout_s):
+        if state.in_flight:
+            await state.no_requests.wait()
+    cancelled = engine.cancel_all("the server is shutting down")
+    if cancelled:
+        logger.warning("drain deadline passed: cancelled %d requests", cancelled)
+        with trio.move_on_after(CANCEL_GRACE_S):
+            if state.in_flight:
+                await state.no_requests.wait()
+
+
+def drain_then(
+    app: QuartTrio, trigger: Callable[[], Awaitable[object]]
+) -> Callable[[], Awaitable[None]]:
+    """A hypercorn ``shutdown_trigger``: wait for ``trigger``, drain, then return (and so
+    let hypercorn stop listening and close connections, with nothing left in flight)."""
+    state: ServerState = app.extensions[STATE_KEY]
+
+    async def shutdown_trigger() -> None:
+        await trigger()
+        await drain(state)
+
+    return shutdown_trigger
 
 
 def _error_response(error: APIError) -> Response:
@@ -308,6 +404,8 @@ def _submit(backend: Backend, generation: GenerationRequest, param: str) -> Requ
     except RequestRejected as exc:
         raise invalid_request(str(exc), getattr(exc, "param", None) or param) from None
     except EngineUnavailable as exc:
+        if backend.engine.alive:  # draining or shutting down: another replica can serve it
+            raise _shutting_down() from None
         raise APIError(
             503, f"The server cannot serve requests: {exc}", code="unavailable"
         ) from None
@@ -697,8 +795,9 @@ async def _generate(
             for event in events:
                 failure = _apply(event, collector, timing) or failure
             if failure is not None:
-                timing.status = 500
-                raise APIError(500, f"The model failed on this request: {failure}")
+                error = _failure_error(failure)
+                timing.status = error.status
+                raise error
         return Response(dumps(collector.response()), mimetype="application/json")
     except BaseException:
         if timing.status == 200:
@@ -709,8 +808,18 @@ async def _generate(
         timing.log(collector)
 
 
-def _apply(event: object, collector: Collector, timing: _Timing) -> str | None:
-    """Fold one engine event into the collector; return the message of a ``Failed``."""
+def _failure_error(failed: Failed) -> APIError:
+    """The error for a failed request: 500 when the model failed on it (the server goes
+    on), 503 when the engine is gone or the server is shutting down."""
+    if failed.cause is FailureCause.MODEL:
+        return APIError(500, f"The model failed on this request: {failed.message}")
+    if failed.cause is FailureCause.SHUTDOWN:
+        return APIError(503, f"The request was cancelled: {failed.message}", code="shutting_down")
+    return APIError(503, f"The server cannot serve requests: {failed.message}", code="unavailable")
+
+
+def _apply(event: object, collector: Collector, timing: _Timing) -> Failed | None:
+    """Fold one engine event into the collector; return a ``Failed``."""
     if isinstance(event, Delta):
         if timing.first_token is None:
             timing.first_token = time.monotonic()
@@ -722,7 +831,7 @@ def _apply(event: object, collector: Collector, timing: _Timing) -> str | None:
     elif isinstance(event, ToolCallReady):
         collector.add_tool_call(event.index, event.call)
     elif isinstance(event, Failed):
-        return event.message
+        return event
     return None
 
 
@@ -754,8 +863,8 @@ async def _stream_body(
                 for chunk in _stream_chunks(event, collector, timing, include_usage):
                     yield chunk
             if isinstance(engine_event, Failed):
-                timing.status = 500
-                error = APIError(500, f"The model failed on this request: {engine_event.message}")
+                error = _failure_error(engine_event)
+                timing.status = error.status
                 yield sse_event(error.body())
                 return
         if include_usage:

@@ -94,6 +94,7 @@ def load_backend(config: ServerConfig) -> Backend:
             session_max_blocks=config.session_max_blocks,
             max_sessions=config.max_sessions,
             prefix_cache=config.prefix_cache,
+            step_timeout_s=config.step_timeout_s,
         ),
     )
     logger.info("loaded %s in %.1f s", loaded.name, time.monotonic() - started)

@@ -113,6 +113,16 @@ class BlockPool:
         return self.num_blocks - self.num_free
 
     @property
+    def num_unreferenced_cached(self) -> int:
+        """Cached blocks no one references: kept for reuse, handed out when needed."""
+        return len(self._evictable)
+
+    @property
+    def num_references(self) -> int:
+        """All references held (a block shared by two owners counts twice)."""
+        return sum(self._refcounts)
+
+    @property
     def num_cached(self) -> int:
         """Blocks holding a key (used or evictable)."""
         return len(self._cached)

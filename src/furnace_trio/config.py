@@ -56,6 +56,9 @@ class ServerConfig:
     session_max_blocks: int | None = None
     max_sessions: int = 1024
     prefix_cache: bool = True
+    step_timeout_s: float = 120.0
+    drain_timeout_s: float = 30.0
+    exit_on_engine_failure: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -79,6 +82,10 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be at least 1")
         if self.session_ttl_s <= 0:
             raise ConfigError("session_ttl_s must be > 0")
+        if not self.step_timeout_s > 0:
+            raise ConfigError("step_timeout_s must be > 0")
+        if not self.drain_timeout_s >= 0:
+            raise ConfigError("drain_timeout_s must be >= 0")
         if self.max_sessions < 1:
             raise ConfigError("max_sessions must be at least 1")
         if self.session_max_blocks is not None and self.session_max_blocks < 0:
@@ -147,6 +154,15 @@ class ServerConfig:
             session_max_blocks=integer("FURNACE_SESSION_MAX_BLOCKS"),
             max_sessions=integer("FURNACE_MAX_SESSIONS") or defaults.max_sessions,
             prefix_cache=_flag(environ, "FURNACE_PREFIX_CACHE", defaults.prefix_cache),
+            step_timeout_s=_positive_float(
+                environ, "FURNACE_STEP_TIMEOUT_S", defaults.step_timeout_s
+            ),
+            drain_timeout_s=_positive_float(
+                environ, "FURNACE_DRAIN_TIMEOUT_S", defaults.drain_timeout_s, allow_zero=True
+            ),
+            exit_on_engine_failure=_flag(
+                environ, "FURNACE_EXIT_ON_ENGINE_FAILURE", defaults.exit_on_engine_failure
+            ),
         )
 
     @property
@@ -154,7 +170,9 @@ class ServerConfig:
         return logging.getLevelName(self.log_level)  # type: ignore[no-any-return]
 
 
-def _positive_float(environ: Mapping[str, str], name: str, default: float) -> float:
+def _positive_float(
+    environ: Mapping[str, str], name: str, default: float, *, allow_zero: bool = False
+) -> float:
     value = environ.get(name, "").strip()
     if not value:
         return default
@@ -162,7 +180,9 @@ def _positive_float(environ: Mapping[str, str], name: str, default: float) -> fl
         number = float(value)
     except ValueError:
         raise ConfigError(f"{name} must be a number, got {value!r}") from None
-    if not number > 0:
+    if allow_zero and number == 0:
+        return number
+    if not (number > 0 and number != float("inf")):
         raise ConfigError(f"{name} must be > 0, got {value!r}")
     return number
 

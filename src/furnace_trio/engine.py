@@ -20,6 +20,15 @@ and :meth:`Engine.abort`, which run on the same Trio thread, so there are no loc
   turns false and :meth:`Engine.submit` raises :class:`EngineUnavailable`: no request
   ever hangs. :meth:`Engine.run` then returns instead of raising, because an exception
   escaping quart-trio's lifespan nursery is only logged while the server goes on.
+- Watchdog: a step that runs past ``step_timeout_s`` kills the engine the same way. A
+  thread cannot be killed, so the engine abandons it (``abandon_on_cancel=True`` under a
+  shielded scope whose own deadline is the watchdog: nothing else can cancel a step) and
+  the thread finishes whenever it finishes; no other step ever starts, because the engine
+  is dead. Every :class:`Failed` carries a :class:`FailureCause`, so the HTTP layer can
+  tell "the model failed on this request" (500) from "the server cannot serve" (503).
+- Drain: :meth:`Engine.drain` stops admitting but lets every accepted request (running or
+  queued) finish; :meth:`Engine.cancel_all` then fails whatever is left, and :meth:`run`
+  returns once nothing is left.
 - Prefix cache and sessions: the block pool keeps finished requests' full blocks cached
   (see :mod:`~furnace_trio.block_pool`); :class:`Admitted` reports the reused tokens. A
   request carrying a session :class:`~furnace_trio.sessions.Turn` pins its KV when it
@@ -72,6 +81,7 @@ __all__ = [
     "EngineUnavailable",
     "Event",
     "Failed",
+    "FailureCause",
     "Finished",
     "GenerationRequest",
     "LogprobEntry",
@@ -92,8 +102,11 @@ class EngineConfig:
     session_max_blocks: int | None = None  # pinned KV of all sessions; None: half the pool
     max_sessions: int = 1024
     prefix_cache: bool = True  # reuse cached KV of equal prompt prefixes
+    step_timeout_s: float | None = None  # watchdog: a longer step kills the engine
 
     def __post_init__(self) -> None:
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ValueError("step_timeout_s must be > 0")
         if self.session_ttl_s <= 0:
             raise ValueError("session_ttl_s must be > 0")
         if self.session_max_blocks is not None and self.session_max_blocks < 0:
@@ -185,11 +198,21 @@ class Finished:
     completion_tokens: int
 
 
+class FailureCause(enum.Enum):
+    """Why a request failed: its own model step (the server goes on), the engine (dead or
+    stuck: nothing more will be served), or a shutdown that outlasted the drain."""
+
+    MODEL = "model"
+    ENGINE = "engine"
+    SHUTDOWN = "shutdown"
+
+
 @dataclass(frozen=True, slots=True)
 class Failed:
     """Terminal for the whole request."""
 
     message: str
+    cause: FailureCause = FailureCause.MODEL
 
 
 Event = Admitted | Delta | Finished | Failed
@@ -229,6 +252,7 @@ class _State(enum.Enum):
     NEW = "new"
     RUNNING = "running"
     SHUTTING_DOWN = "shutting down"
+    DRAINING = "draining"
     STOPPED = "stopped"
     DEAD = "dead"
 
@@ -304,7 +328,7 @@ class Engine:
     @property
     def alive(self) -> bool:
         """Started and not dead (still true while draining after :meth:`shutdown`)."""
-        return self._state in (_State.RUNNING, _State.SHUTTING_DOWN)
+        return self._state in (_State.RUNNING, _State.SHUTTING_DOWN, _State.DRAINING)
 
     @property
     def failure(self) -> str | None:
@@ -326,7 +350,7 @@ class Engine:
         except BaseException:
             self._die("the engine was stopped")
             raise
-        if self._state is _State.SHUTTING_DOWN:
+        if self._state in (_State.SHUTTING_DOWN, _State.DRAINING):
             self._state = _State.STOPPED
 
     def submit(self, request: GenerationRequest) -> RequestStream:
@@ -399,14 +423,40 @@ class Engine:
     def shutdown(self) -> None:
         """Stop admitting (submit raises :class:`EngineUnavailable`) and fail the waiting
         requests; running ones finish, then :meth:`run` returns."""
-        if self._state is _State.RUNNING:
+        if self._state in (_State.RUNNING, _State.DRAINING):
             self._state = _State.SHUTTING_DOWN
         for group in list(self._scheduler.waiting):
             self._scheduler.abort(group.request_id)
-            self._fail_request(group.request_id, "the server is shutting down")
+            self._fail_request(
+                group.request_id, "the server is shutting down", FailureCause.SHUTDOWN
+            )
         self._wake.set()
 
+    def drain(self) -> None:
+        """Stop admitting (:meth:`submit` raises :class:`EngineUnavailable`) but let every
+        accepted request, queued ones included, finish; :meth:`run` returns once none is
+        left. :meth:`cancel_all` ends a drain that takes too long."""
+        if self._state is _State.RUNNING:
+            self._state = _State.DRAINING
+        self._wake.set()
+
+    def cancel_all(self, reason: str) -> int:
+        """Fail every request now (cause :attr:`FailureCause.SHUTDOWN`), freeing its KV;
+        return how many there were. Never awaits."""
+        request_ids = list(self._requests)
+        for request_id in request_ids:
+            self._scheduler.abort(request_id)
+            self._fail_request(request_id, reason, FailureCause.SHUTDOWN)
+        self._wake.set()
+        return len(request_ids)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests accepted and not yet finished, failed or aborted."""
+        return len(self._requests)
+
     def statistics(self) -> EngineStatistics:
+        pool = self._pool
         return self._metrics.snapshot(
             running=self._scheduler.num_running,
             waiting=self._scheduler.num_waiting,
@@ -417,6 +467,10 @@ class Engine:
             prefix_hits=self._scheduler.prefix_hits,
             sessions=len(self.sessions),
             session_pinned_blocks=self.sessions.pinned_blocks,
+            kv_blocks_cached=pool.num_unreferenced_cached,
+            kv_block_refs=pool.num_references,
+            requests_in_flight=len(self._requests),
+            turns_open=len(self._turns),
         )
 
     # -- submission -----------------------------------------------------------------------
@@ -481,7 +535,11 @@ class Engine:
 
     async def _loop(self) -> None:
         while True:
-            if self._state is _State.SHUTTING_DOWN and not self._scheduler.has_work:
+            if self._state is _State.DEAD:
+                return
+            if self._state in (_State.SHUTTING_DOWN, _State.DRAINING) and not (
+                self._scheduler.has_work
+            ):
                 return
             now = trio.current_time()
             if now >= self._next_expiry:
@@ -495,9 +553,11 @@ class Engine:
             self._on_admitted(step)
             started = trio.current_time()
             try:
-                sampled = await trio.to_thread.run_sync(
-                    self._runner.step, step.plan, limiter=self._limiter
-                )
+                sampled = await self._run_step(step)
+            except _WatchdogFired as exc:
+                logger.error("%s; failing every request", exc)
+                self._die(str(exc))
+                return
             except Exception as exc:
                 logger.warning("A model step failed: %r", exc, exc_info=exc)
                 self._fail_step(step, f"the model failed: {exc}")
@@ -514,6 +574,21 @@ class Engine:
             else:
                 self._metrics.decode_step_time.observe(now - started)
             self._deliver(outputs, now)
+
+    async def _run_step(self, step: ScheduledStep) -> list[SampledToken]:
+        """Run the model step in a worker thread under the watchdog.
+
+        The scope is shielded, so only its own deadline (the watchdog) cancels it: an
+        outer cancellation waits for the step, as ``abandon_on_cancel=False`` would. When
+        the watchdog fires the thread is abandoned, not stopped; it finishes on its own.
+        """
+        timeout = self.config.step_timeout_s
+        deadline = math.inf if timeout is None else trio.current_time() + timeout
+        with trio.CancelScope(deadline=deadline, shield=True):
+            return await trio.to_thread.run_sync(
+                self._runner.step, step.plan, limiter=self._limiter, abandon_on_cancel=True
+            )
+        raise _WatchdogFired(f"a model step ran past the watchdog of {timeout} s")
 
     def _on_admitted(self, step: ScheduledStep) -> None:
         now = trio.current_time()
@@ -584,16 +659,21 @@ class Engine:
         for request_id in self._scheduler.fail(step):
             self._fail_request(request_id, message)
 
-    def _fail_request(self, request_id: str, message: str) -> None:
+    def _fail_request(
+        self, request_id: str, message: str, cause: FailureCause = FailureCause.MODEL
+    ) -> None:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
         self._metrics.count("failed")
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            request.send.send_nowait(Failed(message))
+            request.send.send_nowait(Failed(message, cause))
         request.send.close()
 
     def _die(self, reason: str) -> None:
+        """Mark the engine dead and fail every request. Whatever breaks on the way, every
+        channel ends up closed, so no stream waits forever (a closed channel without a
+        :class:`Failed` reads as an aborted request)."""
         self._state = _State.DEAD
         self._failure = reason
         try:
@@ -601,7 +681,17 @@ class Engine:
         except Exception:  # the scheduler may be what broke; the streams matter more
             logger.exception("Cleaning up the scheduler failed")
         for request_id in list(self._requests):
-            self._fail_request(request_id, reason)
+            try:
+                self._fail_request(request_id, reason, FailureCause.ENGINE)
+            except Exception:
+                logger.exception("Failing request %s failed", request_id)
+        for request in self._requests.values():
+            request.send.close()
+        self._requests.clear()
+
+
+class _WatchdogFired(Exception):
+    """A model step ran past ``step_timeout_s``."""
 
 
 # -- the consumer's side ----------------------------------------------------------------------

@@ -73,7 +73,14 @@ def _empty() -> HistogramSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class EngineStatistics:
-    """A snapshot of the engine. ``running`` counts sequences (``n`` per request)."""
+    """A snapshot of the engine. ``running`` counts sequences (``n`` per request).
+
+    KV accounting, for leak checks: ``kv_blocks_used`` blocks have references
+    (``kv_block_refs`` of them in all: running sequences, session pins, finished turns not
+    yet committed); ``kv_blocks_cached`` more hold reusable prefix-cache KV that no one
+    references. When idle (nothing running, waiting, in flight or in an open turn), every
+    reference is a session pin: ``kv_block_refs == session_pinned_blocks``.
+    """
 
     running: int = 0
     waiting: int = 0
@@ -93,6 +100,30 @@ class EngineStatistics:
     prefix_cache_hits_total: int = 0  # of which were found (reused, not computed)
     sessions: int = 0
     session_pinned_blocks: int = 0
+    kv_blocks_cached: int = 0  # unreferenced prefix-cache blocks (evictable)
+    kv_block_refs: int = 0  # references held on blocks (a shared block counts per owner)
+    requests_in_flight: int = 0  # accepted, not yet finished, failed or aborted
+    turns_open: int = 0  # session turns whose request has not ended
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running, queued, in flight or in an open session turn."""
+        return not (self.running or self.waiting or self.requests_in_flight or self.turns_open)
+
+    def leaks(self) -> list[str]:
+        """What an idle engine should not hold (empty when nothing leaked). Only
+        meaningful when :attr:`idle`; a busy engine holds references legitimately."""
+        found = []
+        if self.kv_block_refs != self.session_pinned_blocks:
+            found.append(
+                f"{self.kv_block_refs} KV block references held, "
+                f"{self.session_pinned_blocks} of them by sessions"
+            )
+        if self.kv_blocks_used > self.session_pinned_blocks:
+            found.append(
+                f"{self.kv_blocks_used} KV blocks in use, sessions pin {self.session_pinned_blocks}"
+            )
+        return found
 
 
 @dataclass(slots=True)
@@ -126,6 +157,10 @@ class EngineMetrics:
         prefix_hits: int = 0,
         sessions: int = 0,
         session_pinned_blocks: int = 0,
+        kv_blocks_cached: int = 0,
+        kv_block_refs: int = 0,
+        requests_in_flight: int = 0,
+        turns_open: int = 0,
     ) -> EngineStatistics:
         return EngineStatistics(
             running=running,
@@ -146,4 +181,8 @@ class EngineMetrics:
             prefix_cache_hits_total=prefix_hits,
             sessions=sessions,
             session_pinned_blocks=session_pinned_blocks,
+            kv_blocks_cached=kv_blocks_cached,
+            kv_block_refs=kv_block_refs,
+            requests_in_flight=requests_in_flight,
+            turns_open=turns_open,
         )
