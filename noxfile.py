@@ -60,3 +60,12 @@ def bench(session: nox.Session) -> None:
     session.run("python", "bench_http.py", "--quant", "int8", *session.posargs)
     if "--quick" not in session.posargs:
         session.run("python", "bench_quality.py")
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """32 clients for 3 minutes against the default model on 127.0.0.1, with early
+    disconnects, stop strings, n > 1 and sessions; fails on a lost request or a leak.
+    ``nox -s soak -- --duration 60 --clients 16`` for a shorter one."""
+    _install(session, "test")
+    session.run("python", "benchmarks/soak.py", *session.posargs)
