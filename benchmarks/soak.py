@@ -348,8 +348,8 @@ async def run_soak(
             )
         report.final_stats["kv_block_refs_after_session_delete"] = after.kv_block_refs
         report.rss_kib.append(rss_kib())
-        shutdown.set()
-        nursery.cancel_scope.cancel()
+        shutdown.set()  # a graceful stop: hypercorn closes, then after_serving drains
+        nursery.cancel_scope.deadline = trio.current_time() + 30
     return report
 
 
