@@ -69,3 +69,13 @@ def soak(session: nox.Session) -> None:
     ``nox -s soak -- --duration 60 --clients 16`` for a shorter one."""
     _install(session, "test")
     session.run("python", "benchmarks/soak.py", *session.posargs)
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """Schemathesis against /openapi.json on 127.0.0.1 (scripted engine, real tokenizer):
+    no 5xx, responses match the document, the server healthy afterwards. Bounded in
+    examples and time; pass e.g. ``-- --max-examples 500 --max-time 600`` for more."""
+    _install(session, "test")
+    args = session.posargs or ["--max-examples", "200", "--max-time", "240"]
+    session.run("python", "-m", "tests.test_fuzz", *args)
