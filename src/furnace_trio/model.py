@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -342,6 +343,8 @@ class Transformer(nn.Module):
     copy of the model); leftover names are an error, since they mean a weight was not used.
     """
 
+    inv_freq: torch.Tensor
+
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         super().__init__()
         weights = dict(weights)
@@ -373,7 +376,8 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(x.dtype)[:, None, :]
         sin = emb.sin().to(x.dtype)[:, None, :]
-        for i, layer in enumerate(self.layers):
+        for i, module in enumerate(self.layers):
+            layer = cast(DecoderLayer, module)
             h = layer.self_attn(layer.input_layernorm(x), cos, sin, cache.k[i], cache.v[i], inputs)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))

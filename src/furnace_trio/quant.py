@@ -131,6 +131,8 @@ def quantize_linears(module: nn.Module, linear_type: type[nn.Module]) -> int:
         if isinstance(child, linear_type):
             weight = child.weight
             bias = getattr(child, "bias", None)
+            if not isinstance(weight, torch.Tensor):
+                raise TypeError(f"{name}.weight is not a tensor")
             setattr(module, name, Int8Linear(weight.data, None if bias is None else bias.data))
             count += 1
         else:
