@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--quant", default="none,int8", help="comma-separated quantizations")
     args = parser.parse_args()
     max_tokens = 16 if args.quick else 64
-    workloads = [(1, 3), (4, 2), (16, 2), (32, 1)] if not args.quick else [(1, 1), (4, 1)]
+    workloads = [(1, 2), (4, 1), (16, 1), (32, 1)] if not args.quick else [(1, 1), (4, 1)]
     print(f"machine: {machine()}")
     loaded = load_model(None)
     ours: dict[str, tuple[list[Result], float]] = {}

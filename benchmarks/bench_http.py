@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--quant", default="int8,none")
     args = parser.parse_args()
     max_tokens = 16 if args.quick else 64
-    workloads = [(1, 1), (4, 1)] if args.quick else [(1, 3), (4, 2), (16, 2), (32, 1)]
+    workloads = [(1, 1), (4, 1)] if args.quick else [(1, 2), (4, 1), (16, 1), (32, 1)]
     print(f"machine: {machine()}")
     table: list[str] = []
     prefills: list[str] = []
