@@ -21,8 +21,6 @@ from furnace_trio.loader import LoadedModel, load_model
 from furnace_trio.quant import Int8Linear, quantize_weight, resolve_quantization
 from furnace_trio.runner import ModelRunner, RunnerConfig
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*quantize.*deprecated:UserWarning")
-
 DATA = Path(__file__).parent / "data" / "perplexity.txt"
 REL_TOL = 0.03
 

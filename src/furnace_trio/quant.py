@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Literal
 
 import torch
@@ -89,9 +90,13 @@ class Int8Linear(nn.Module):
             raise ValueError("this torch build has no fbgemm quantized engine")
         q, scale = quantize_weight(weight)
         self.out_features, self.in_features = weight.shape
-        qweight = torch._make_per_channel_quantized_tensor(
-            q, scale.double(), torch.zeros_like(scale, dtype=torch.int64), 0
-        )
+        with warnings.catch_warnings():
+            # torch 2.13 deprecates quantized tensor *creation*; the prepacked weight is all
+            # that is kept, and the fbgemm kernel itself is not deprecated.
+            warnings.filterwarnings("ignore", ".*quantized tensor creation", UserWarning)
+            qweight = torch._make_per_channel_quantized_tensor(
+                q, scale.double(), torch.zeros_like(scale, dtype=torch.int64), 0
+            )
         # The bias is added after the row maximum is multiplied back, so it is not packed.
         self._packed = torch.ops.quantized.linear_prepack(qweight, None)
         self.bias: torch.Tensor | None = (
@@ -103,13 +108,16 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).float()
         row_max = torch.linalg.vector_norm(x2, math.inf, dim=1, keepdim=True)
         row_max = row_max.clamp_min_(_MIN_ROW_MAX)
-        normed = x2 / row_max
-        codes = normed * _ACT_LEVELS
-        # What 7-bit rounding loses, in [-0.5, 0.5] codes, stretched to [-1, 1].
-        residual = (codes - torch.round(codes)).mul_(2.0)
         rows = x2.shape[0]
+        # Both halves of the kernel's input are written in place into one buffer.
+        both = torch.empty((2 * rows, self.in_features), dtype=torch.float32)
+        normed, residual = both[:rows], both[rows:]
+        torch.div(x2, row_max, out=normed)
+        torch.mul(normed, _ACT_LEVELS, out=residual)
+        # What 7-bit rounding loses, in [-0.5, 0.5] codes, stretched to [-1, 1].
+        residual.sub_(torch.round(residual)).mul_(2.0)
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            torch.cat((normed, residual)), _ACT_SCALE, _ACT_ZERO_POINT, self._packed
+            both, _ACT_SCALE, _ACT_ZERO_POINT, self._packed
         )
         y = y[:rows].add_(y[rows:], alpha=_RESIDUAL_WEIGHT).mul_(row_max)
         if self.bias is not None:

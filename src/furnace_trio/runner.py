@@ -75,9 +75,11 @@ class ModelRunner:
         weights = {k: v.to(device=self.device, dtype=self.dtype) for k, v in weights.items()}
         self.model = Transformer(config, weights).eval()
         self.quantization = resolve_quantization(settings.quantization, self.device)
-        if self.quantization == "int8":
-            if self.dtype != torch.float32:
+        if self.quantization == "int8" and self.dtype != torch.float32:
+            if settings.quantization != "auto":
                 raise ValueError("int8 quantization needs dtype float32 (CPU)")
+            self.quantization = "none"  # auto: a configured float16/bfloat16 wins
+        if self.quantization == "int8":
             replaced = quantize_linears(self.model, Linear)
             logger.info("runner: %d linear layers quantized to int8", replaced)
         per_block = KVCache.bytes_per_block(config, settings.block_size, self.dtype)
