@@ -42,6 +42,9 @@ class StepInputs:
     - ``decode_rows``: indices of the sequences whose chunk is a single token; their
       attention runs in one batched call (``decode_index`` is the same as a tensor).
     - ``logit_rows``: flat token indices whose next-token logits are wanted.
+    - ``decode`` and ``chunk_masks`` (sequence index -> :func:`chunk_mask` of a multi-token
+      chunk after cached tokens) are per-step attention tensors shared by every layer;
+      :meth:`Transformer.forward` fills them in.
     """
 
     input_ids: torch.Tensor
@@ -55,6 +58,7 @@ class StepInputs:
     decode_context_lens: torch.Tensor
     logit_rows: torch.Tensor
     decode: DecodeBatch | None = None
+    chunk_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +96,19 @@ class DecodeBatch:
             rows = [inputs.query_starts[b] for b in inputs.decode_rows]
             flat_rows = torch.tensor(rows, device=device)
         return DecodeBatch(tables, max_ctx, mask[:, None, None, :], flat_rows)
+
+
+def chunk_mask(qlen: int, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive causal mask ``[qlen, past + qlen]`` of a chunk after ``past`` cached tokens.
+
+    Query ``i`` (at position ``past + i``) sees keys ``0 .. past + i``: 0 there, ``-inf``
+    after. Built once per step for every layer; SDPA would convert a boolean mask each call.
+    """
+    rows = torch.arange(qlen, device=device)[:, None] + past
+    keys = torch.arange(past + qlen, device=device)[None, :]
+    return torch.zeros((qlen, past + qlen), dtype=dtype, device=device).masked_fill_(
+        keys > rows, float("-inf")
+    )
 
 
 class KVCache:
@@ -153,10 +170,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:
+            # One fused op instead of five (same math: ``x * rsqrt(mean(x^2) + eps) * w``).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.weight * h.to(x.dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -178,9 +197,14 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled).float()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` in three ops.
+
+    ``rotate_half(x) = cat(-x2, x1)`` is ``roll(x, half) * [-1.., +1..]``; the sign is folded
+    into ``signed_sin`` once per step (:meth:`Transformer.forward`).
+    """
+    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
+    return torch.addcmul(x * cos, rolled, signed_sin)
 
 
 class Attention(nn.Module):
@@ -224,7 +248,7 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # Rotary embedding of queries and keys in one pass (they share positions).
-        qk = qk * cos + _rotate_half(qk) * sin
+        qk = _apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
 
         block_size = k_cache.shape[1]
@@ -246,31 +270,37 @@ class Attention(nn.Module):
             lo, hi = starts[b], starts[b + 1]
             qlen = hi - lo
             past = ctx - qlen
+            mask = None
             if past == 0:
                 keys, values = k[lo:hi], v[lo:hi]
             else:
                 blocks = inputs.block_tables[b, : -(-ctx // block_size)]
-                keys = k_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx]
-                values = v_cache[blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx]
-            out[lo:hi] = self._attend_chunk(q[lo:hi], keys, values, past)
+                keys = k_cache[blocks].flatten(0, 1)[:ctx]
+                values = v_cache[blocks].flatten(0, 1)[:ctx]
+                mask = inputs.chunk_masks.get(b)
+                if mask is None:
+                    mask = chunk_mask(qlen, past, q.dtype, q.device)
+            out[lo:hi] = self._attend_chunk(q[lo:hi], keys, values, mask)
         return self.o_proj(out.view(tokens, self.q_size))
 
     def _attend_chunk(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """Causal attention of ``qlen`` new queries over ``past + qlen`` keys."""
-        group = self.num_heads // self.num_kv_heads
-        qh = q.transpose(0, 1)  # [H, qlen, D]
-        kh = keys.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, ctx, D]
-        vh = values.transpose(0, 1).repeat_interleave(group, dim=0)
-        if past == 0:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
-        else:
-            qlen, ctx = q.shape[0], keys.shape[0]
-            rows = torch.arange(qlen, device=q.device)[:, None] + past
-            mask = torch.arange(ctx, device=q.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
-        return o.transpose(0, 1)
+        """Causal attention of ``qlen`` new queries over ``past + qlen`` keys.
+
+        Inputs are 4-D with ``enable_gqa``: with 3-D inputs or an expanded (``repeat_interleave``)
+        key copy, torch 2.13 on the CPU takes the unfused math path, 3 to 4 times slower
+        (measured: 42 ms -> 11.5 ms for 250 queries over 1,850 keys, SmolLM2 heads).
+        ``mask`` is ``None`` for a fresh prompt (plain causal) or the additive
+        :func:`chunk_mask` when the chunk follows cached tokens.
+        """
+        qh = q.transpose(0, 1)[None]  # [1, H, qlen, D]
+        kh = keys.transpose(0, 1)[None]  # [1, KV, ctx, D]
+        vh = values.transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
+        )
+        return o[0].transpose(0, 1)
 
     def _attend_decodes(
         self,
@@ -371,11 +401,15 @@ class Transformer(nn.Module):
             inputs = dataclasses.replace(
                 inputs, decode=DecodeBatch.build(inputs, cache.block_size, self.embed_tokens.dtype)
             )
+        if not inputs.chunk_masks:
+            inputs = dataclasses.replace(inputs, chunk_masks=self._chunk_masks(inputs))
         x = F.embedding(inputs.input_ids, self.embed_tokens)
         freqs = inputs.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(x.dtype)[:, None, :]
-        sin = emb.sin().to(x.dtype)[:, None, :]
+        # rotate_half's sign folded in: the first half of the rolled vector is negated.
+        sin_half = freqs.sin()
+        sin = torch.cat((-sin_half, sin_half), dim=-1).to(x.dtype)[:, None, :]
         for i, module in enumerate(self.layers):
             layer = cast(DecoderLayer, module)
             h = layer.self_attn(layer.input_layernorm(x), cos, sin, cache.k[i], cache.v[i], inputs)
@@ -383,3 +417,14 @@ class Transformer(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = self.norm(x[inputs.logit_rows])
         return self.lm_head(x).float()
+
+    def _chunk_masks(self, inputs: StepInputs) -> dict[int, torch.Tensor]:
+        """The additive mask of every multi-token chunk that follows cached tokens."""
+        masks: dict[int, torch.Tensor] = {}
+        starts = inputs.query_starts
+        for b, ctx in enumerate(inputs.context_lens):
+            qlen = starts[b + 1] - starts[b]
+            if qlen > 1 and ctx > qlen:
+                dtype, device = self.embed_tokens.dtype, self.embed_tokens.device
+                masks[b] = chunk_mask(qlen, ctx - qlen, dtype, device)
+        return masks

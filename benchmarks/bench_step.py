@@ -1,0 +1,112 @@
+"""Runner-level step times: decode (1 and 16 sequences) and prefill chunks, A/B in one process.
+
+Not a test. Builds a :class:`ModelRunner` for each quantization and times ``runner.step``
+directly (no engine): a decode step of 1 and of 16 sequences at ~150 tokens of context,
+a fresh 250-token prefill, and a 250-token chunk after 1,600 cached tokens. With
+``--baseline DIR`` a copy of the package (importable as ``furnace_base`` from ``DIR``) is
+timed in the same process, interleaved, and ratios are printed (baseline / current).
+``--thread`` also times the decode step from a Trio worker thread, as the engine calls it.
+
+    python benchmarks/bench_step.py [--baseline /tmp/base] [--quant none,int8] [--thread]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from furnace_trio.loader import load_model
+
+
+def _plans(mod: Any, ctx: int, n: int, block: int) -> dict[str, Any]:
+    plan_mod = importlib.import_module(f"{mod.__name__.rsplit('.', 1)[0]}.plan")
+    params_mod = importlib.import_module(f"{mod.__name__.rsplit('.', 1)[0]}.params")
+    params = params_mod.SamplingParams(temperature=0.0, max_tokens=16)
+    C, S, P = plan_mod.ChunkPlan, plan_mod.StepPlan, plan_mod.SampleSpec
+    blocks_per = -(-(ctx + 2) // block)
+
+    def table(i: int) -> tuple[int, ...]:
+        return tuple(range(i * blocks_per, (i + 1) * blocks_per))
+
+    def dec(k: int) -> Any:
+        return S(tuple(C(i, (100 + i,), ctx, table(i), (P(i, params),)) for i in range(k)))
+
+    long_blocks = tuple(range(2000 // block + 1))
+    fresh = S((C(999, tuple(range(1000, 1250)), 0, long_blocks, (P(999, params),)),))
+    hist = S((C(999, tuple(range(1000, 1250)), 1600, long_blocks, (P(999, params),)),))
+    return {"decode1": dec(1), f"decode{n}": dec(n), "prefill250": fresh, "chunk250@1600": hist}
+
+
+def _time(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", default=None)
+    ap.add_argument("--quant", default="none,int8")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--thread", action="store_true")
+    ap.add_argument("--only", default=None, help="comma-separated plan names")
+    args = ap.parse_args()
+    loaded = load_model(None)
+    mods = {"current": importlib.import_module("furnace_trio.runner")}
+    if args.baseline:
+        sys.path.insert(0, args.baseline)
+        mods["baseline"] = importlib.import_module("furnace_base.runner")
+    print(f"threads {torch.get_num_threads()}, cpu {torch.backends.cpu.get_cpu_capability()}")
+    for quant in args.quant.split(","):
+        runners = {}
+        for name, mod in mods.items():
+            settings = mod.RunnerConfig(device="cpu", kv_cache_bytes=1 << 28, quantization=quant)
+            runners[name] = mod.ModelRunner(loaded.config, dict(loaded.weights), settings)
+        results: dict[str, dict[str, list[float]]] = {n: {} for n in mods}
+        for name, mod in mods.items():
+            plans = _plans(mod, 150, 16, runners[name].block_size)
+            # Fill the cache once so chunk@1600 attends real numbers.
+            runners[name].step(plans["prefill250"])
+        for rnd in range(args.rounds):
+            order = list(mods.items())
+            for name, mod in order if rnd % 2 == 0 else order[::-1]:
+                plans = _plans(mod, 150, 16, runners[name].block_size)
+                r = runners[name]
+                for key, plan in plans.items():
+                    if args.only and key not in args.only.split(","):
+                        continue
+                    reps = args.reps if key.startswith("decode") else max(3, args.reps // 3)
+                    t = _time(lambda r=r, plan=plan: r.step(plan), reps)
+                    results[name].setdefault(key, []).append(t)
+                if args.thread:
+                    import trio
+
+                    async def in_thread(r: Any = r, plan: Any = plans["decode1"]) -> float:
+                        return await trio.to_thread.run_sync(
+                            lambda: _time(lambda: r.step(plan), args.reps)
+                        )
+
+                    results[name].setdefault("decode1[trio thread]", []).append(trio.run(in_thread))
+        for key in results["current"]:
+            cur = statistics.median(results["current"][key]) * 1e3
+            line = f"{quant:5s} {key:22s} current {cur:8.2f} ms"
+            if "baseline" in results:
+                base = statistics.median(results["baseline"][key]) * 1e3
+                line += f"  baseline {base:8.2f} ms  speedup {base / cur:5.2f}x"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
