@@ -7,10 +7,17 @@ model (read-only weights) and build their own runners (each owns its KV cache).
 from __future__ import annotations
 
 import functools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 
+from furnace_trio.app import create_app
+from furnace_trio.backend import Backend
+from furnace_trio.config import ServerConfig
 from furnace_trio.default_model import DefaultModelMissingError
+from furnace_trio.engine import Engine, EngineConfig
 from furnace_trio.loader import LoadedModel, load_model
 from furnace_trio.runner import ModelRunner, RunnerConfig
 
@@ -32,3 +39,32 @@ def default_runner(kv_cache_mb: int = 64) -> ModelRunner:
     return ModelRunner.from_loaded(
         default_model(), RunnerConfig(device="cpu", kv_cache_bytes=kv_cache_mb << 20)
     )
+
+
+#: The name the real-model test servers give the default model.
+NAME = "SmolLM2-135M-Instruct"
+
+
+@asynccontextmanager
+async def serve_real(**config: Any) -> AsyncIterator[tuple[str, Engine]]:
+    """The whole stack over the default model on a real socket; yields (url, engine)."""
+    from .http_server import serve_app
+
+    model = default_model()
+    engines: list[Engine] = []
+
+    def factory(cfg: ServerConfig) -> Backend:
+        runner = default_runner()
+        engine = Engine(
+            runner,
+            decode=model.tokenizer.decode,
+            eos_token_ids=model.tokenizer.eos_token_ids,
+            token_bytes=model.tokenizer.token_to_bytes,
+            config=EngineConfig(max_running=8, max_step_tokens=256),
+        )
+        engines.append(engine)
+        return Backend(engine, model.tokenizer, NAME, runner.max_context)
+
+    app = create_app(ServerConfig(**config), backend_factory=factory)
+    async with serve_app(app) as url:
+        yield url, engines[0]

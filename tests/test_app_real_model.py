@@ -6,45 +6,16 @@ the SDK sees; the scripted-model HTTP tests cover the protocol details exhaustiv
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import openai
 import trio
 
-from furnace_trio.app import create_app
-from furnace_trio.backend import Backend
-from furnace_trio.config import ServerConfig
-from furnace_trio.engine import Engine, EngineConfig
+from furnace_trio.engine import Engine
 
-from .http_server import serve_app
-from .real_model import default_model, default_runner
+from .real_model import NAME, serve_real
 
-NAME = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-
-
-@asynccontextmanager
-async def serve_real(**config: Any) -> AsyncIterator[tuple[str, Engine]]:
-    model = default_model()
-    engines: list[Engine] = []
-
-    def factory(cfg: ServerConfig) -> Backend:
-        runner = default_runner()
-        engine = Engine(
-            runner,
-            decode=model.tokenizer.decode,
-            eos_token_ids=model.tokenizer.eos_token_ids,
-            token_bytes=model.tokenizer.token_to_bytes,
-            config=EngineConfig(max_running=8, max_step_tokens=256),
-        )
-        engines.append(engine)
-        return Backend(engine, model.tokenizer, NAME, runner.max_context)
-
-    app = create_app(ServerConfig(**config), backend_factory=factory)
-    async with serve_app(app) as url:
-        yield url, engines[0]
 
 
 async def _idle(engine: Engine) -> None:

@@ -4,8 +4,6 @@ them, and the default model producing schema-valid JSON and valid calls over HTT
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import jsonschema
@@ -13,16 +11,13 @@ import openai
 import pytest
 import torch
 
-from furnace_trio.app import create_app
-from furnace_trio.backend import Backend
-from furnace_trio.config import ServerConfig
-from furnace_trio.engine import Engine, EngineConfig
 from furnace_trio.grammar import GrammarCompiler, GrammarError
 from furnace_trio.params import SamplingParams
 from furnace_trio.plan import SampleSpec
 from furnace_trio.sampling import sample
 
-from .http_server import serve_app, smollm2_tokenizer
+from .http_server import smollm2_tokenizer
+from .real_model import NAME, serve_real
 
 pytestmark = pytest.mark.model
 
@@ -88,30 +83,9 @@ def test_bad_schema_is_a_grammar_error() -> None:
         compiler.json_schema({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}})
 
 
-@asynccontextmanager
-async def serve_real() -> AsyncIterator[str]:
-    from .real_model import default_model, default_runner
-
-    model = default_model()
-
-    def factory(cfg: ServerConfig) -> Backend:
-        runner = default_runner()
-        engine = Engine(
-            runner,
-            decode=model.tokenizer.decode,
-            eos_token_ids=model.tokenizer.eos_token_ids,
-            token_bytes=model.tokenizer.token_to_bytes,
-            config=EngineConfig(max_running=8, max_step_tokens=256),
-        )
-        return Backend(engine, model.tokenizer, "smol", runner.max_context)
-
-    async with serve_app(create_app(ServerConfig(), backend_factory=factory)) as url:
-        yield url
-
-
 async def test_default_model_json_schema_and_forced_call() -> None:
     async with (
-        serve_real() as url,
+        serve_real() as (url, _),
         openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client,
     ):
         response_format: Any = {
@@ -120,7 +94,7 @@ async def test_default_model_json_schema_and_forced_call() -> None:
         }
         messages: Any = [{"role": "user", "content": "Describe a person as JSON."}]
         answer = await client.chat.completions.create(
-            model="smol",
+            model=NAME,
             messages=messages,
             response_format=response_format,
             temperature=0,
@@ -130,7 +104,7 @@ async def test_default_model_json_schema_and_forced_call() -> None:
         jsonschema.validate(json.loads(answer.choices[0].message.content or ""), PERSON)
 
         stream = await client.chat.completions.create(
-            model="smol",
+            model=NAME,
             messages=messages,
             response_format=response_format,
             temperature=0,
@@ -142,7 +116,7 @@ async def test_default_model_json_schema_and_forced_call() -> None:
 
         for stream_it in (False, True):
             call_request: Any = {
-                "model": "smol",
+                "model": NAME,
                 "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
                 "tools": [WEATHER],
                 "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
