@@ -39,6 +39,8 @@ class StepInputs:
     - ``query_starts``: offsets of each chunk in the flat batch (python ints, ``B + 1``).
     - ``context_lens``: tokens of each sequence in the cache after this step (``B``).
     - ``block_tables``: ``[B, max_blocks]`` int64, padded with block 0 (masked out).
+    - ``prefill_rows``: the other sequences (chunks of more than one token), attended one
+      by one.
     - ``decode_rows``: indices of the sequences whose chunk is a single token; their
       attention runs in one batched call (``decode_index`` is the same as a tensor).
     - ``logit_rows``: flat token indices whose next-token logits are wanted.
@@ -54,6 +56,7 @@ class StepInputs:
     context_lens: tuple[int, ...]
     block_tables: torch.Tensor
     decode_rows: tuple[int, ...]
+    prefill_rows: tuple[int, ...]
     decode_index: torch.Tensor
     decode_context_lens: torch.Tensor
     logit_rows: torch.Tensor
@@ -262,11 +265,9 @@ class Attention(nn.Module):
             self._attend_decodes(q, out, k_cache, v_cache, inputs)
             if len(inputs.decode_rows) == len(inputs.context_lens):
                 return self.o_proj(out.view(tokens, self.q_size))
-        decode_set = set(inputs.decode_rows)
         starts = inputs.query_starts
-        for b, ctx in enumerate(inputs.context_lens):
-            if b in decode_set:
-                continue
+        for b in inputs.prefill_rows:
+            ctx = inputs.context_lens[b]
             lo, hi = starts[b], starts[b + 1]
             qlen = hi - lo
             past = ctx - qlen

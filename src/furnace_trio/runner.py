@@ -227,6 +227,7 @@ def build_inputs(
         context_lens=tuple(context_lens),
         block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
         decode_rows=tuple(decode_rows),
+        prefill_rows=tuple(b for b, c in enumerate(plan.chunks) if len(c.token_ids) > 1),
         decode_index=tensor(decode_rows),
         decode_context_lens=tensor([context_lens[b] for b in decode_rows]),
         logit_rows=tensor(logit_rows),
