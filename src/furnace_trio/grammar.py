@@ -107,7 +107,9 @@ class GrammarCompiler:
     def json_schema(self, schema: Mapping[str, Any] | None) -> GrammarConstraint:
         """Any JSON object (``schema is None``), or one valid against ``schema``."""
         target = dict(schema) if schema is not None else {"type": "object"}
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(target, defaults={"whitespace_flexible": False})
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            target, defaults={"whitespace_flexible": False}
+        )
         return GrammarConstraint(self._ll_tokenizer(), grammar)
 
     def tool_calls(
