@@ -134,7 +134,12 @@ def transformers_figures(loaded: LoadedModel, max_tokens: int) -> dict[str, floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
-    parser.add_argument("--quant", default="none,int8", help="comma-separated quantizations")
+    parser.add_argument(
+        "--quant",
+        default="none,int8,int8-torch",
+        help="comma-separated runtimes: none, int8, and none-torch / int8-torch without "
+        "the native kernels",
+    )
     args = parser.parse_args()
     max_tokens = 16 if args.quick else 64
     workloads = [(1, 2), (4, 1), (16, 1), (32, 1)] if not args.quick else [(1, 1), (4, 1)]
@@ -142,9 +147,12 @@ def main() -> None:
     loaded = load_model(None)
     ours: dict[str, tuple[list[Result], float]] = {}
     for quant in args.quant.split(","):
-        runner = ModelRunner.from_loaded(
-            loaded, RunnerConfig(device="cpu", kv_cache_bytes=512 << 20, quantization=quant)
+        # "int8-torch" / "none-torch": the same without the native kernels (the baseline).
+        name, _, kernels = quant.partition("-")
+        settings = RunnerConfig(
+            device="cpu", kv_cache_bytes=512 << 20, quantization=name, native=kernels != "torch"
         )
+        runner = ModelRunner.from_loaded(loaded, settings)
         ours[quant] = trio.run(run_engine, runner, loaded, workloads, max_tokens)
         del runner
     ref = transformers_figures(loaded, max_tokens)

@@ -3,7 +3,8 @@
 Tiny random models of every supported architecture are written to disk by the test
 (``write_tiny_model``), loaded through our loader and through transformers, and compared
 logit for logit (float32, tight tolerance) with prompt lengths that cross KV block
-boundaries, in whole, chunked and ragged batched steps.
+boundaries, in whole, chunked and ragged batched steps. Every comparison runs twice: with
+the native CPU kernels (decode attention, fused norms/rotary/SiLU) and with torch alone.
 """
 
 from __future__ import annotations
@@ -34,11 +35,16 @@ ARCHS = [
 ]
 
 
-def _runner(path: Path) -> ModelRunner:
+def _runner(path: Path, *, native: bool = True, quantization: str = "none") -> ModelRunner:
     config, weights = load_hf_directory(path)
-    return ModelRunner(
-        config, weights, RunnerConfig(device="cpu", kv_cache_bytes=1 << 22, block_size=BLOCK)
+    settings = RunnerConfig(
+        device="cpu",
+        kv_cache_bytes=1 << 22,
+        block_size=BLOCK,
+        native=native,
+        quantization=quantization,
     )
+    return ModelRunner(config, weights, settings)
 
 
 def _reference(path: Path) -> torch.nn.Module:
@@ -56,15 +62,19 @@ def _table(first: int, n: int = 16) -> tuple[int, ...]:
 
 
 @pytest.fixture(
-    params=ARCHS,
-    ids=lambda a: f"{a[0]}-{'tied' if a[1] else 'untied'}{'-llama3rope' if a[2] else ''}",
+    params=[(*a, n) for a in ARCHS for n in (True, False)],
+    ids=lambda a: (
+        f"{a[0]}-{'tied' if a[1] else 'untied'}{'-llama3rope' if a[2] else ''}"
+        f"-{'native' if a[3] else 'torch'}"
+    ),
 )
 def tiny(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> tuple[ModelRunner, torch.nn.Module, int]:
-    arch, tied, rope3 = request.param
+    arch, tied, rope3, native = request.param
     path = write_tiny_model(tmp_path, arch, tied=tied, rope_llama3=rope3)
-    runner = _runner(path)
+    runner = _runner(path, native=native)
+    assert (runner.model.layers[0].self_attn.kernels is not None) == native
     return runner, _reference(path), runner.config.vocab_size
 
 
@@ -142,3 +152,29 @@ def test_plan_with_short_block_table_is_refused(
     runner, _, _ = tiny
     with pytest.raises(ValueError, match="block table"):
         runner.logits(StepPlan((ChunkPlan(1, tuple(range(9)), 0, (0, 1)),)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int8_fused_decode_equals_per_op_path(tmp_path: Path, arch: str) -> None:
+    """All-decode int8 steps run every layer in one native call; the per-op path (the same
+    kernels called one by one from Python) must give bitwise the same logits, for ragged
+    contexts and a bias (qwen2), and stay close to the float reference."""
+    path = write_tiny_model(tmp_path, arch, tied=False, rope_llama3=False)
+    runner = _runner(path, quantization="int8")
+    assert runner.model.kernels is not None
+    vocab = runner.config.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (6, 13, 2)]
+    tables = [_table(16 * i) for i in range(len(seqs))]
+    prompts = StepPlan(tuple(ChunkPlan(i, tuple(s[:-1]), 0, tables[i]) for i, s in enumerate(seqs)))
+    decodes = StepPlan(
+        tuple(ChunkPlan(i, (s[-1],), len(s) - 1, tables[i]) for i, s in enumerate(seqs))
+    )
+    runner.logits(prompts)
+    assert runner.model._decode_layer_ptrs(runner.cache, runner.model.kernels) is not None
+    fused = runner.logits(decodes)
+    runner.model.fused_decode = False
+    per_op = runner.logits(decodes)
+    assert torch.equal(fused, per_op)
+    ref = _ref_logits(_reference(path), seqs[1])[-1]
+    assert float((fused[1] - ref).norm() / ref.norm()) < 0.02

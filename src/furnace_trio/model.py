@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 from .model_config import ModelConfig
+from .quant import NativeInt8Linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +90,7 @@ class DecodeBatch:
         device = inputs.block_tables.device
         max_ctx = int(inputs.decode_context_lens.max())
         max_blocks = -(-max_ctx // block_size)
-        tables = inputs.block_tables[inputs.decode_index][:, :max_blocks]
+        tables = inputs.block_tables[inputs.decode_index][:, :max_blocks].contiguous()
         inside = torch.arange(max_ctx, device=device)[None, :] < inputs.decode_context_lens[:, None]
         # An additive float mask: SDPA would convert a boolean one in every layer.
         mask = torch.zeros(inside.shape, dtype=dtype, device=device).masked_fill_(
@@ -219,6 +221,8 @@ class Attention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        # The native decode-attention kernel (float32 CPU caches), set by Transformer.use_native.
+        self.kernels: native.Kernels | None = None
         names = [f"{prefix}.self_attn.{p}_proj" for p in ("q", "k", "v")]
         qkv = torch.cat([weights.pop(f"{n}.weight") for n in names])
         bias = None
@@ -254,12 +258,45 @@ class Attention(nn.Module):
         qk = _apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
 
-        block_size = k_cache.shape[1]
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat.index_copy_(0, inputs.slot_mapping, k.to(k_flat.dtype))
         v_flat.index_copy_(0, inputs.slot_mapping, v.to(v_flat.dtype))
+        return self._attend(q, k, v, k_cache, v_cache, inputs)
 
+    def forward_native(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        inputs: StepInputs,
+        kernels: native.Kernels,
+    ) -> torch.Tensor:
+        """:meth:`forward` with the rotary embedding and the cache writes in one native call
+        (float32 CPU caches, no q/k norm); ``cos``/``sin`` are ``[T, D]``."""
+        tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q = torch.empty((tokens, self.num_heads, self.head_dim))
+        k = torch.empty((tokens, self.num_kv_heads, self.head_dim))
+        kernels.rope_store(qkv, cos, sin, inputs.slot_mapping, k_cache, v_cache, q, k)
+        v = qkv.view(tokens, -1, self.head_dim)[:, self.num_heads + self.num_kv_heads :]
+        return self._attend(q, k, v, k_cache, v_cache, inputs)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        inputs: StepInputs,
+    ) -> torch.Tensor:
+        """Attention of this step's rotated queries (keys/values already in the cache), then
+        the output projection."""
+        tokens = q.shape[0]
+        block_size = k_cache.shape[1]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if inputs.decode_rows:
             self._attend_decodes(q, out, k_cache, v_cache, inputs)
@@ -322,6 +359,15 @@ class Attention(nn.Module):
         if d is None:
             return
         n = d.tables.shape[0]
+        if self.kernels is not None and k_cache.dtype == torch.float32:
+            qd = (q if d.flat_rows is None else q[d.flat_rows]).contiguous()
+            target = out if d.flat_rows is None else torch.empty_like(qd)
+            self.kernels.paged_decode_attention(
+                qd, k_cache, v_cache, d.tables, inputs.decode_context_lens, self.scale, target
+            )
+            if d.flat_rows is not None:
+                out[d.flat_rows] = target
+            return
         group = self.num_heads // self.num_kv_heads
         keys = k_cache[d.tables].flatten(1, 2)[:, : d.max_ctx]  # [n, ctx, KV, D]
         values = v_cache[d.tables].flatten(1, 2)[:, : d.max_ctx]
@@ -352,6 +398,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def forward_native(self, x: torch.Tensor, kernels: native.Kernels) -> torch.Tensor:
+        act = torch.empty((x.shape[0], self.intermediate))
+        kernels.silu_mul(self.gate_up_proj(x), act)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -395,15 +446,46 @@ class Transformer(nn.Module):
         if leftover:
             raise ValueError(f"unused weights: {', '.join(leftover[:5])}")
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # The fused native layer path (float32 on the CPU), set by use_native.
+        self.kernels: native.Kernels | None = None
+        # All-decode steps through every layer in one native call (tests turn it off to
+        # compare with the per-op path).
+        self.fused_decode = True
+        # Weight and cache addresses for furnace_decode_layers: (cache, pointers).
+        self._layer_ptrs: tuple[KVCache, torch.Tensor] | None = None
+
+    def use_native(self, kernels: native.Kernels | None) -> None:
+        """Run float32 CPU steps with the native kernels (``None``: torch only).
+
+        Decode attention always goes native then; the fused layer path (norms, rotary
+        embedding and cache writes, SiLU) too, except for models with q/k norms.
+        """
+        if kernels is not None and self.config.num_heads // self.config.num_kv_heads > 64:
+            kernels = None  # the kernel keeps at most 64 query heads per KV head
+        for module in self.layers:
+            cast(DecoderLayer, module).self_attn.kernels = kernels
+        fused = kernels is not None and not self.config.qk_norm
+        self.kernels = kernels if fused and self.embed_tokens.dtype == torch.float32 else None
+        self._layer_ptrs = None
 
     def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
         """Run one step; return float32 logits ``[len(logit_rows), vocab]``."""
+        native_path = self.kernels is not None and self.embed_tokens.device.type == "cpu"
+        all_decodes = len(inputs.decode_rows) == len(inputs.context_lens)
+        if native_path and all_decodes and self.fused_decode:
+            assert self.kernels is not None
+            logits = self._forward_fused_decode(inputs, cache, self.kernels)
+            if logits is not None:
+                return logits
         if inputs.decode is None and inputs.decode_rows:
             inputs = dataclasses.replace(
                 inputs, decode=DecodeBatch.build(inputs, cache.block_size, self.embed_tokens.dtype)
             )
         if not inputs.chunk_masks:
             inputs = dataclasses.replace(inputs, chunk_masks=self._chunk_masks(inputs))
+        if native_path:
+            assert self.kernels is not None
+            return self._forward_native(inputs, cache, self.kernels)
         x = F.embedding(inputs.input_ids, self.embed_tokens)
         freqs = inputs.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -418,6 +500,98 @@ class Transformer(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = self.norm(x[inputs.logit_rows])
         return self.lm_head(x).float()
+
+    def _forward_native(
+        self, inputs: StepInputs, cache: KVCache, kernels: native.Kernels
+    ) -> torch.Tensor:
+        """:meth:`forward` with a layer's elementwise work fused into native calls: the
+        residual add and the next norm are one call, as are the rotary embedding and the
+        cache writes, and the SiLU gate."""
+        x = F.embedding(inputs.input_ids, self.embed_tokens)  # a fresh tensor: updated in place
+        cos, sin = self._rotary(inputs.positions)
+        layers = [cast(DecoderLayer, m) for m in self.layers]
+        eps = self.config.rms_norm_eps
+        normed = torch.empty_like(x)
+        kernels.add_rmsnorm(x, None, layers[0].input_layernorm.weight, eps, normed)
+        for i, layer in enumerate(layers):
+            h = layer.self_attn.forward_native(
+                normed, cos, sin, cache.k[i], cache.v[i], inputs, kernels
+            )
+            kernels.add_rmsnorm(x, h, layer.post_attention_layernorm.weight, eps, normed)
+            h = layer.mlp.forward_native(normed, kernels)
+            if i + 1 < len(layers):
+                kernels.add_rmsnorm(x, h, layers[i + 1].input_layernorm.weight, eps, normed)
+            else:
+                x.add_(h)
+        x = self.norm(x[inputs.logit_rows])
+        return self.lm_head(x).float()
+
+    def _forward_fused_decode(
+        self, inputs: StepInputs, cache: KVCache, kernels: native.Kernels
+    ) -> torch.Tensor | None:
+        """An all-decode step through every layer in one native call (int8 native linears
+        only; ``None`` otherwise). Same kernels, same order as :meth:`_forward_native`."""
+        ptrs = self._decode_layer_ptrs(cache, kernels)
+        if ptrs is None:
+            return None
+        x = F.embedding(inputs.input_ids, self.embed_tokens)
+        cos, sin = self._rotary(inputs.positions)
+        c = self.config
+        mlp = cast(DecoderLayer, self.layers[0]).mlp
+        dims = native.DecodeDims(
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, mlp.intermediate, c.rms_norm_eps
+        )
+        scale = 1.0 / math.sqrt(c.head_dim)
+        kernels.decode_layers(
+            ptrs,
+            dims,
+            x,
+            cos,
+            sin,
+            inputs.slot_mapping,
+            inputs.block_tables,
+            inputs.decode_context_lens,
+            cache.block_size,
+            scale,
+        )
+        return self.lm_head(self.norm(x[inputs.logit_rows])).float()
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin`` ``[T, head_dim]``, the sign of rotate_half folded into ``sin``."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        sin_half = freqs.sin()
+        return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-sin_half, sin_half), dim=-1)
+
+    def _decode_layer_ptrs(self, cache: KVCache, kernels: native.Kernels) -> torch.Tensor | None:
+        """The address table of ``furnace_decode_layers`` for ``cache``, or ``None`` when a
+        layer's linears are not native int8 ones (float32 weights, fbgemm)."""
+        if self._layer_ptrs is not None and self._layer_ptrs[0] is cache:
+            return self._layer_ptrs[1]
+        rows: list[int] = []
+        for i, module in enumerate(self.layers):
+            layer = cast(DecoderLayer, module)
+            linears = (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+            for linear in linears:
+                if not isinstance(linear, NativeInt8Linear):
+                    return None
+                bias = 0 if linear.bias is None else linear.bias.data_ptr()
+                rows += [linear.qweight.data_ptr(), linear.scale.data_ptr(), bias]
+            rows += [
+                layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+                cache.k[i].data_ptr(),
+                cache.v[i].data_ptr(),
+            ]
+        if len(rows) != kernels.layer_ptrs * len(self.layers):
+            raise RuntimeError("native layer table does not match cpu_kernels.c")
+        table = torch.tensor(rows, dtype=torch.int64)
+        self._layer_ptrs = (cache, table)
+        return table
 
     def _chunk_masks(self, inputs: StepInputs) -> dict[int, torch.Tensor]:
         """The additive mask of every multi-token chunk that follows cached tokens."""

@@ -1,9 +1,18 @@
-"""Int8 linear layers for the CPU: int8 weights, int8 activations, exact int32 accumulation.
+"""Int8 linear layers for the CPU.
 
 Decode on a CPU is memory bound: a step reads every weight once, so int8 weights (a quarter
-of float32's bytes) are the main lever. The kernel is fbgemm's (the one behind torch's
-dynamic quantized linear), which multiplies uint8 activations by int8 weights with int32
-accumulation; on this class of machine it is 3 to 6 times faster than float32 ``F.linear``.
+of float32's bytes) are the main lever. Two implementations:
+
+- :class:`NativeInt8Linear` (the default where a C compiler is available): weight-only int8,
+  float32 activations, with the kernel of ``cpu_kernels.c`` (:mod:`furnace_trio.native`).
+  Each int8 weight vector is widened to float in registers and multiplied with float
+  activations, so only weights are quantized (no activation rounding at all) and every
+  output row depends on its input row alone, in the same arithmetic order whatever the
+  batch. Above :data:`NATIVE_MAX_ROWS` rows (prefill) a step is compute bound, and the
+  weight is widened to float32 once for the call and multiplied by torch's BLAS instead.
+- :class:`Int8Linear`, the fallback without a compiler: int8 weights *and* int8 activations,
+  exact int32 accumulation, with fbgemm's kernel (the one behind torch's dynamic quantized
+  linear), described below.
 
 Why per-row activation scales, and how
 --------------------------------------
@@ -39,7 +48,10 @@ import warnings
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from . import native
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +85,46 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
+
+
+# Above this many rows, widen the weight once and use torch's BLAS (compute bound: prefill).
+NATIVE_MAX_ROWS = 48
+
+
+class NativeInt8Linear(nn.Module):
+    """``y = x @ (q * scale).T (+ b)``: int8 weights, float32 activations (CPU, native kernel).
+
+    Same call signature as :class:`furnace_trio.model.Linear`.
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.Kernels
+    ) -> None:
+        super().__init__()
+        q, scale = quantize_weight(weight)
+        self.out_features, self.in_features = weight.shape
+        self.qweight = q.contiguous()
+        self.scale = scale.float().contiguous()
+        self.bias: torch.Tensor | None = (
+            None if bias is None else bias.detach().float().contiguous()
+        )
+        self._kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        rows = x2.shape[0]
+        if rows > NATIVE_MAX_ROWS:
+            y = F.linear(x2, self.qweight.to(torch.float32)).mul_(self.scale)
+            if self.bias is not None:
+                y.add_(self.bias)
+        else:
+            y = torch.empty((rows, self.out_features), dtype=torch.float32)
+            self._kernels.w8_linear(x2, self.qweight, self.scale, self.bias, y)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 (native)"
 
 
 class Int8Linear(nn.Module):
@@ -128,8 +180,11 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def quantize_linears(module: nn.Module, linear_type: type[nn.Module]) -> int:
-    """Replace every ``linear_type`` submodule (with ``.weight``/``.bias``) by an Int8Linear.
+def quantize_linears(
+    module: nn.Module, linear_type: type[nn.Module], kernels: native.Kernels | None = None
+) -> int:
+    """Replace every ``linear_type`` submodule (with ``.weight``/``.bias``) by an int8 one:
+    :class:`NativeInt8Linear` with ``kernels``, else the fbgemm :class:`Int8Linear`.
 
     Returns how many were replaced. Float weights are dropped as their module is replaced
     (a tied ``lm_head`` keeps the embedding table alive, which the embedding lookup needs).
@@ -141,8 +196,14 @@ def quantize_linears(module: nn.Module, linear_type: type[nn.Module]) -> int:
             bias = getattr(child, "bias", None)
             if not isinstance(weight, torch.Tensor):
                 raise TypeError(f"{name}.weight is not a tensor")
-            setattr(module, name, Int8Linear(weight.data, None if bias is None else bias.data))
+            b = None if bias is None else bias.data
+            layer = (
+                Int8Linear(weight.data, b)
+                if kernels is None
+                else NativeInt8Linear(weight.data, b, kernels)
+            )
+            setattr(module, name, layer)
             count += 1
         else:
-            count += quantize_linears(child, linear_type)
+            count += quantize_linears(child, linear_type, kernels)
     return count

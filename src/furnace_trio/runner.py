@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
 from .loader import LoadedModel
 from .model import KVCache, Linear, StepInputs, Transformer
 from .model_config import ModelConfig
@@ -61,6 +62,8 @@ class RunnerConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_context: int | None = None
     quantization: str = "none"
+    # The native CPU kernels (int8 linear, decode attention); False: torch kernels only.
+    native: bool = True
 
 
 class ModelRunner:
@@ -79,9 +82,14 @@ class ModelRunner:
             if settings.quantization != "auto":
                 raise ValueError("int8 quantization needs dtype float32 (CPU)")
             self.quantization = "none"  # auto: a configured float16/bfloat16 wins
+        use_native = settings.native and self.device.type == "cpu"
+        kernels = native.load() if use_native else None
         if self.quantization == "int8":
-            replaced = quantize_linears(self.model, Linear)
-            logger.info("runner: %d linear layers quantized to int8", replaced)
+            replaced = quantize_linears(self.model, Linear, kernels)
+            kind = "fbgemm" if kernels is None else "native"
+            logger.info("runner: %d linear layers quantized to int8 (%s)", replaced, kind)
+        if self.dtype == torch.float32:
+            self.model.use_native(kernels)
         per_block = KVCache.bytes_per_block(config, settings.block_size, self.dtype)
         num_blocks = max(1, settings.kv_cache_bytes // per_block)
         self.cache = KVCache(

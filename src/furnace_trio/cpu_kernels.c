@@ -1,0 +1,421 @@
+/* CPU kernels for decode: int8-weight linear layers and paged decode attention.
+ *
+ * Built on first use by native.py (gcc -O3 -march=native -fopenmp) and called through
+ * ctypes with raw pointers to contiguous float32 / int8 / int64 tensors.
+ *
+ * Batch invariance: every output element is computed by the same instruction sequence
+ * whatever the number of rows M and whichever block it falls in (the accumulation over k
+ * runs in one fixed order per (row, output) pair; blocking only decides which pairs share
+ * a loop), so a request's result does not depend on its neighbours in the batch.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VW 16
+typedef __m512 vf;
+static inline vf v_zero(void) { return _mm512_setzero_ps(); }
+static inline vf v_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf v_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float v_sum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline void v_store(float *p, vf a) { _mm512_storeu_ps(p, a); }
+static inline vf v_set1(float a) { return _mm512_set1_ps(a); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VW 8
+typedef __m256 vf;
+static inline vf v_zero(void) { return _mm256_setzero_ps(); }
+static inline vf v_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf v_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline void v_store(float *p, vf a) { _mm256_storeu_ps(p, a); }
+static inline vf v_set1(float a) { return _mm256_set1_ps(a); }
+static inline float v_sum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#else
+#define VW 1
+typedef float vf;
+static inline vf v_zero(void) { return 0.0f; }
+static inline vf v_load(const float *p) { return *p; }
+static inline vf v_i8(const int8_t *p) { return (float)*p; }
+static inline vf v_fma(vf a, vf b, vf c) { return a * b + c; }
+static inline float v_sum(vf a) { return a; }
+static inline void v_store(float *p, vf a) { *p = a; }
+static inline vf v_set1(float a) { return a; }
+#endif
+
+int furnace_vector_width(void) { return VW; }
+
+/* The dot product of one activation row with one int8 weight row, finished with the tail.
+ * Every (row, output) pair goes through exactly this arithmetic (the blocked loops below
+ * keep the same per-pair order), which is what makes the result batch invariant. */
+static inline float tail_dot(float acc, const float *x, const int8_t *w, int64_t k0, int64_t K) {
+    for (int64_t k = k0; k < K; k++) acc += x[k] * (float)w[k];
+    return acc;
+}
+
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+/* Rows per block: sixteen accumulators (4 outputs x 4 rows) fit AVX-512's 32 registers;
+ * AVX2 has 16, so it takes 4 outputs x 2 rows (more would spill in the inner loop). */
+#if VW == 16
+#define W8_ROWS 4
+#else
+#define W8_ROWS 2
+#endif
+
+/* Weights stream from memory once per step; the hardware prefetcher alone leaves about a
+ * third of the bandwidth unused (measured), so each pass over a 64-byte column of a block
+ * also prefetches the same column of the block two ahead (prefetches never fault). */
+#if VW > 1
+static ALWAYS_INLINE void w8_prefetch(const int8_t *row0, int64_t k, int64_t K) {
+    if ((k & 63) == 0) {
+        const char *ahead = (const char *)(row0 + k) + 8 * K;
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        _mm_prefetch(ahead + K, _MM_HINT_T0);
+        _mm_prefetch(ahead + 2 * K, _MM_HINT_T0);
+        _mm_prefetch(ahead + 3 * K, _MM_HINT_T0);
+    }
+}
+#else
+static inline void w8_prefetch(const int8_t *row0, int64_t k, int64_t K) {
+    (void)row0, (void)k, (void)K;
+}
+#endif
+
+/* The weight vector of row i of the block at column k: converted from int8 on the fly
+ * (few rows: each weight is used once or twice) or loaded from the block's float copy. */
+static ALWAYS_INLINE vf w8_load(const int8_t *const *wr, const float *wf, int64_t K, int i, int64_t k) {
+    return wf ? v_load(wf + i * K + k) : v_i8(wr[i] + k);
+}
+
+/* One block: four outputs (rows of w) by up to W8_ROWS activation rows (a short block
+ * repeats its first row and drops those results). Every (row, output) pair accumulates
+ * the same FMAs in the same order on every path, hence batch invariance. */
+static ALWAYS_INLINE void w8_block(const float *x, int64_t m0, int64_t mm, int64_t K, int64_t kv,
+                            const int8_t *const *wr, const float *wf, int64_t nn, int64_t n0,
+                            const float *scale, const float *bias, int64_t N, float *y) {
+    vf acc[4][W8_ROWS];
+    const float *xr[W8_ROWS];
+    for (int j = 0; j < W8_ROWS; j++) xr[j] = x + (m0 + (j < mm ? j : 0)) * K;
+    if (nn == 4 && mm == 1) {
+        vf a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
+        for (int64_t k = 0; k < kv; k += VW) {
+            if (!wf) w8_prefetch(wr[0], k, K);
+            vf xv = v_load(xr[0] + k);
+            a0 = v_fma(w8_load(wr, wf, K, 0, k), xv, a0);
+            a1 = v_fma(w8_load(wr, wf, K, 1, k), xv, a1);
+            a2 = v_fma(w8_load(wr, wf, K, 2, k), xv, a2);
+            a3 = v_fma(w8_load(wr, wf, K, 3, k), xv, a3);
+        }
+        acc[0][0] = a0, acc[1][0] = a1, acc[2][0] = a2, acc[3][0] = a3;
+    } else if (nn == 4) {
+        vf a00 = v_zero(), a10 = v_zero(), a20 = v_zero(), a30 = v_zero();
+        vf a01 = v_zero(), a11 = v_zero(), a21 = v_zero(), a31 = v_zero();
+#if W8_ROWS == 4
+        vf a02 = v_zero(), a12 = v_zero(), a22 = v_zero(), a32 = v_zero();
+        vf a03 = v_zero(), a13 = v_zero(), a23 = v_zero(), a33 = v_zero();
+#endif
+        for (int64_t k = 0; k < kv; k += VW) {
+            if (!wf) w8_prefetch(wr[0], k, K);
+            vf w0 = w8_load(wr, wf, K, 0, k), w1 = w8_load(wr, wf, K, 1, k);
+            vf w2 = w8_load(wr, wf, K, 2, k), w3 = w8_load(wr, wf, K, 3, k);
+            vf xv = v_load(xr[0] + k);
+            a00 = v_fma(w0, xv, a00), a10 = v_fma(w1, xv, a10);
+            a20 = v_fma(w2, xv, a20), a30 = v_fma(w3, xv, a30);
+            xv = v_load(xr[1] + k);
+            a01 = v_fma(w0, xv, a01), a11 = v_fma(w1, xv, a11);
+            a21 = v_fma(w2, xv, a21), a31 = v_fma(w3, xv, a31);
+#if W8_ROWS == 4
+            xv = v_load(xr[2] + k);
+            a02 = v_fma(w0, xv, a02), a12 = v_fma(w1, xv, a12);
+            a22 = v_fma(w2, xv, a22), a32 = v_fma(w3, xv, a32);
+            xv = v_load(xr[3] + k);
+            a03 = v_fma(w0, xv, a03), a13 = v_fma(w1, xv, a13);
+            a23 = v_fma(w2, xv, a23), a33 = v_fma(w3, xv, a33);
+#endif
+        }
+        acc[0][0] = a00, acc[1][0] = a10, acc[2][0] = a20, acc[3][0] = a30;
+        acc[0][1] = a01, acc[1][1] = a11, acc[2][1] = a21, acc[3][1] = a31;
+#if W8_ROWS == 4
+        acc[0][2] = a02, acc[1][2] = a12, acc[2][2] = a22, acc[3][2] = a32;
+        acc[0][3] = a03, acc[1][3] = a13, acc[2][3] = a23, acc[3][3] = a33;
+#endif
+    } else {
+        /* The last, partial block of outputs: rarely hot. */
+        for (int i = 0; i < nn; i++)
+            for (int j = 0; j < mm; j++) acc[i][j] = v_zero();
+        for (int64_t k = 0; k < kv; k += VW) {
+            vf wv[4];
+            for (int i = 0; i < nn; i++) wv[i] = w8_load(wr, wf, K, i, k);
+            for (int j = 0; j < mm; j++) {
+                vf xv = v_load(xr[j] + k);
+                for (int i = 0; i < nn; i++) acc[i][j] = v_fma(wv[i], xv, acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < nn; i++) {
+        const int64_t n = n0 + i;
+        for (int j = 0; j < mm; j++) {
+            float s = tail_dot(v_sum(acc[i][j]), xr[j], wr[i], kv, K) * scale[n];
+            if (bias) s += bias[n];
+            y[(m0 + j) * N + n] = s;
+        }
+    }
+}
+
+/* y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]).
+ * x: [M, K] float32, w: [N, K] int8, scale: [N], bias: [N] or NULL, y: [M, N].
+ * Threads split the outputs in blocks of four. With more than W8_ROWS rows, each block's
+ * four weight rows are converted to float once (the very values the on-the-fly conversion
+ * gives) and reused by every row block. */
+void furnace_w8_linear(const float *x, int64_t M, int64_t K, const int8_t *w,
+                       const float *scale, const float *bias, int64_t N, float *y) {
+    const int64_t kv = K - K % VW;
+    const int64_t nblocks = (N + 3) / 4;
+#pragma omp parallel
+    {
+        float *wf = M > W8_ROWS ? (float *)malloc(sizeof(float) * 4 * K) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            const int64_t n0 = nb * 4;
+            const int64_t nn = N - n0 < 4 ? N - n0 : 4;
+            const int8_t *wr[4];
+            for (int i = 0; i < 4; i++) wr[i] = w + (n0 + (i < nn ? i : 0)) * K;
+            if (wf) {
+                for (int64_t k = 0; k < kv; k += VW) {
+                    w8_prefetch(wr[0], k, K);
+                    for (int i = 0; i < 4; i++) v_store(wf + i * K + k, v_i8(wr[i] + k));
+                }
+            }
+            for (int64_t m0 = 0; m0 < M; m0 += W8_ROWS) {
+                const int64_t mm = M - m0 < W8_ROWS ? M - m0 : W8_ROWS;
+                /* Two call sites so each inlined copy knows whether wf is NULL. */
+                if (wf)
+                    w8_block(x, m0, mm, K, kv, wr, wf, nn, n0, scale, bias, N, y);
+                else
+                    w8_block(x, m0, mm, K, kv, wr, NULL, nn, n0, scale, bias, N, y);
+            }
+        }
+        free(wf);
+    }
+}
+
+/* Decode attention over a paged KV cache: one query token per sequence.
+ * q: [S, H, D]; k_cache, v_cache: [blocks, block_size, KV, D]; tables: [S, max_blocks];
+ * ctx: [S] keys per sequence (the new token's key already written); out: [S, H, D].
+ * One task per (sequence, KV head): the H / KV query heads of the group share every key
+ * and value read. Exact softmax in two passes over the task's scores. */
+#define ATT_MAX_GROUP 64
+#define ATT_STACK_SCORES 16384
+
+/* sc[p] = exp(sc[p] - shift), returning the sum. */
+static float exp_shifted(float *sc, int64_t n, float shift) {
+    float total = 0.0f;
+    for (int64_t p = 0; p < n; p++) {
+        sc[p] = expf(sc[p] - shift);
+        total += sc[p];
+    }
+    return total;
+}
+
+static void attend_one(const float *qh, const float *k_cache, const float *v_cache,
+                       const int64_t *table, int64_t n, int64_t kvh, int64_t KV, int64_t D,
+                       int64_t group, int64_t block_size, float scale, float *scores, float *o) {
+    float mx[ATT_MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
+    const int64_t dv = D - D % VW;
+    for (int64_t p = 0; p < n; p++) {
+        const int64_t slot = table[p / block_size] * block_size + p % block_size;
+        const float *kp = k_cache + (slot * KV + kvh) * D;
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = qh + g * D;
+            vf acc = v_zero();
+            for (int64_t d = 0; d < dv; d += VW) acc = v_fma(v_load(qg + d), v_load(kp + d), acc);
+            float dot = v_sum(acc);
+            for (int64_t d = dv; d < D; d++) dot += qg[d] * kp[d];
+            dot *= scale;
+            scores[g * n + p] = dot;
+            if (dot > mx[g]) mx[g] = dot;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *sc = scores + g * n;
+        const float total = exp_shifted(sc, n, mx[g]);
+        const float inv = 1.0f / total;
+        for (int64_t p = 0; p < n; p++) sc[p] *= inv;
+        memset(o + g * D, 0, sizeof(float) * D);
+    }
+    for (int64_t p = 0; p < n; p++) {
+        const int64_t slot = table[p / block_size] * block_size + p % block_size;
+        const float *vp = v_cache + (slot * KV + kvh) * D;
+        for (int64_t g = 0; g < group; g++) {
+            const float wgt = scores[g * n + p];
+            float *og = o + g * D;
+            const vf wv = v_set1(wgt);
+            for (int64_t d = 0; d < dv; d += VW) v_store(og + d, v_fma(wv, v_load(vp + d), v_load(og + d)));
+            for (int64_t d = dv; d < D; d++) og[d] += wgt * vp[d];
+        }
+    }
+}
+
+void furnace_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                                    const int64_t *tables, int64_t max_blocks, const int64_t *ctx,
+                                    int64_t S, int64_t H, int64_t KV, int64_t D,
+                                    int64_t block_size, float scale, float *out) {
+    const int64_t group = H / KV;
+    const int64_t tasks = S * KV;
+#pragma omp parallel if (tasks > 1)
+    {
+        float stack_scores[ATT_STACK_SCORES];
+        float *heap = NULL;
+        int64_t capacity = 0;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t s = t / KV, kvh = t % KV, n = ctx[s];
+            float *scores = stack_scores;
+            if (n * group > ATT_STACK_SCORES) {
+                if (n * group > capacity) {
+                    free(heap);
+                    capacity = n * group;
+                    heap = (float *)malloc(sizeof(float) * capacity);
+                }
+                scores = heap;
+            }
+            attend_one(q + (s * H + kvh * group) * D, k_cache, v_cache, tables + s * max_blocks,
+                       n, kvh, KV, D, group, block_size, scale, scores,
+                       out + (s * H + kvh * group) * D);
+        }
+        free(heap);
+    }
+}
+
+/* ---- Elementwise pieces of a decoder layer, fused so a step makes few calls. ---- */
+
+/* Rows of at least this many elements in total are split across threads. */
+#define PARALLEL_ELEMENTS 32768
+
+/* out[m] = x[m] * w / sqrt(mean(x[m]^2) + eps); with h, first x[m] += h[m] (the residual
+ * add, in place). x, h, out: [M, D]; w: [D]. */
+void furnace_add_rmsnorm(float *x, const float *h, int64_t M, int64_t D, const float *w,
+                         float eps, float *out) {
+    const int64_t dv = D - D % VW;
+#pragma omp parallel for schedule(static) if (M * D >= PARALLEL_ELEMENTS)
+    for (int64_t m = 0; m < M; m++) {
+        float *xr = x + m * D;
+        if (h) {
+            const float *hr = h + m * D;
+            for (int64_t d = 0; d < D; d++) xr[d] += hr[d];
+        }
+        vf acc = v_zero();
+        for (int64_t d = 0; d < dv; d += VW) {
+            vf v = v_load(xr + d);
+            acc = v_fma(v, v, acc);
+        }
+        float ss = v_sum(acc);
+        for (int64_t d = dv; d < D; d++) ss += xr[d] * xr[d];
+        const float r = 1.0f / sqrtf(ss / (float)D + eps);
+        float *o = out + m * D;
+        for (int64_t d = 0; d < D; d++) o[d] = (xr[d] * r) * w[d];
+    }
+}
+
+/* Rotary embedding of queries and keys, and the step's keys and values stored in the cache.
+ * qkv: [T, (H + 2 KV) D] (the fused projection); cos, sin: [T, D], where sin carries the
+ * sign of rotate_half (negative first half); slots: [T] cache slot per token.
+ * q_out: [T, H, D] and k_out: [T, KV, D] rotated; caches: [slots, KV, D]. */
+void furnace_rope_store(const float *qkv, int64_t T, int64_t H, int64_t KV, int64_t D,
+                        const float *cos_t, const float *sin_t, const int64_t *slots,
+                        float *k_cache, float *v_cache, float *q_out, float *k_out) {
+    const int64_t width = (H + 2 * KV) * D, half = D / 2;
+#pragma omp parallel for schedule(static) if (T * width >= PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = qkv + t * width, *c = cos_t + t * D, *s = sin_t + t * D;
+        for (int64_t head = 0; head < H + KV; head++) {
+            const float *src = row + head * D;
+            float *dst = head < H ? q_out + (t * H + head) * D : k_out + (t * KV + head - H) * D;
+            for (int64_t i = 0; i < half; i++) dst[i] = src[i] * c[i] + src[i + half] * s[i];
+            for (int64_t i = half; i < D; i++) dst[i] = src[i] * c[i] + src[i - half] * s[i];
+        }
+        float *kc = k_cache + slots[t] * KV * D, *vc = v_cache + slots[t] * KV * D;
+        memcpy(kc, k_out + t * KV * D, sizeof(float) * KV * D);
+        memcpy(vc, row + (H + KV) * D, sizeof(float) * KV * D);
+    }
+}
+
+/* out[m] = silu(gu[m, :I]) * gu[m, I:]; gu: [M, 2I], out: [M, I]. */
+void furnace_silu_mul(const float *gu, int64_t M, int64_t I, float *out) {
+#pragma omp parallel for schedule(static) if (M * I >= PARALLEL_ELEMENTS)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gu + m * 2 * I, *u = g + I;
+        float *o = out + m * I;
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* ---- A whole decode step through every layer in one call. ---- */
+
+/* Per layer, LAYER_PTRS addresses, in this order. */
+enum {
+    P_QKV_W, P_QKV_S, P_QKV_B, P_O_W, P_O_S, P_O_B, P_GU_W, P_GU_S, P_GU_B,
+    P_DOWN_W, P_DOWN_S, P_DOWN_B, P_IN_NORM, P_POST_NORM, P_K_CACHE, P_V_CACHE,
+    LAYER_PTRS
+};
+
+int furnace_layer_ptrs(void) { return LAYER_PTRS; }
+
+#define PTR(type, i) ((type)(intptr_t)p[i])
+
+/* Every layer of a step whose S sequences each bring one token (no prefill), with the
+ * int8 linear layers above: the same arithmetic as the per-op path, minus the Python and
+ * dispatch cost between ops. x: [S, hidden] embeddings in, the residual stream after the
+ * last layer out (before the final norm). cos/sin/slots/tables/ctx as for the per-op
+ * kernels; scratch: at least S * (3 hidden + (H + 2 KV) D + (H + KV) D + H D + 3 I)
+ * floats. */
+void furnace_decode_layers(int64_t L, const int64_t *ptrs, int64_t S, int64_t hidden,
+                           int64_t H, int64_t KV, int64_t D, int64_t I, float eps, float *x,
+                           const float *cos_t, const float *sin_t, const int64_t *slots,
+                           const int64_t *tables, int64_t max_blocks, const int64_t *ctx,
+                           int64_t block_size, float scale, float *scratch) {
+    const int64_t width = (H + 2 * KV) * D;
+    float *normed = scratch;
+    float *h = normed + S * hidden;
+    float *qkv = h + S * hidden;
+    float *q = qkv + S * width;
+    float *k = q + S * H * D;
+    float *att = k + S * KV * D;
+    float *gu = att + S * H * D;
+    float *act = gu + S * 2 * I;
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t *p = ptrs + l * LAYER_PTRS;
+        furnace_add_rmsnorm(x, l == 0 ? NULL : h, S, hidden, PTR(const float *, P_IN_NORM), eps,
+                            normed);
+        furnace_w8_linear(normed, S, hidden, PTR(const int8_t *, P_QKV_W),
+                          PTR(const float *, P_QKV_S), PTR(const float *, P_QKV_B), width, qkv);
+        float *kc = PTR(float *, P_K_CACHE), *vc = PTR(float *, P_V_CACHE);
+        furnace_rope_store(qkv, S, H, KV, D, cos_t, sin_t, slots, kc, vc, q, k);
+        furnace_paged_decode_attention(q, kc, vc, tables, max_blocks, ctx, S, H, KV, D,
+                                       block_size, scale, att);
+        furnace_w8_linear(att, S, H * D, PTR(const int8_t *, P_O_W), PTR(const float *, P_O_S),
+                          PTR(const float *, P_O_B), hidden, h);
+        furnace_add_rmsnorm(x, h, S, hidden, PTR(const float *, P_POST_NORM), eps, normed);
+        furnace_w8_linear(normed, S, hidden, PTR(const int8_t *, P_GU_W),
+                          PTR(const float *, P_GU_S), PTR(const float *, P_GU_B), 2 * I, gu);
+        furnace_silu_mul(gu, S, I, act);
+        furnace_w8_linear(act, S, I, PTR(const int8_t *, P_DOWN_W),
+                          PTR(const float *, P_DOWN_S), PTR(const float *, P_DOWN_B), hidden, h);
+    }
+    for (int64_t i = 0; i < S * hidden; i++) x[i] += h[i];
+}

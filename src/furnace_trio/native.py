@@ -1,0 +1,311 @@
+"""The native CPU kernels (``cpu_kernels.c``): built on first use, loaded through ctypes.
+
+The C source is compiled once per machine with the local C compiler (``$CC``, else ``cc``)
+for the CPU it runs on (``-march=native``: AVX-512, AVX2 or plain C) and cached under
+``$FURNACE_CACHE_DIR`` (default ``~/.cache/furnace-trio``), keyed by the source, the
+compiler and the CPU. Building takes about a second; a machine without a compiler gets
+:func:`load` returning ``None`` and the callers fall back to torch kernels.
+
+Calls go through :mod:`ctypes`, which releases the GIL for the duration of the call; the
+kernels parallelise with OpenMP, sharing torch's OpenMP runtime (the library is loaded
+after torch, so ``libgomp.so.1`` resolves to the copy torch already loaded).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+_lock = threading.Lock()
+_loaded: dict[str, Kernels | None] = {}
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+class Kernels:
+    """Typed entry points of the built library."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self.vector_width = int(lib.furnace_vector_width())
+        self._linear = lib.furnace_w8_linear
+        self._linear.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P]
+        self._linear.restype = None
+        self._attention = lib.furnace_paged_decode_attention
+        self._attention.argtypes = [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P]
+        self._attention.restype = None
+        self._add_rmsnorm = lib.furnace_add_rmsnorm
+        self._add_rmsnorm.argtypes = [_P, _P, _I, _I, _P, ctypes.c_float, _P]
+        self._add_rmsnorm.restype = None
+        self._rope_store = lib.furnace_rope_store
+        self._rope_store.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P]
+        self._rope_store.restype = None
+        self._silu_mul = lib.furnace_silu_mul
+        self._silu_mul.argtypes = [_P, _I, _I, _P]
+        self._silu_mul.restype = None
+        self.layer_ptrs = int(lib.furnace_layer_ptrs())
+        self._decode_layers = lib.furnace_decode_layers
+        self._decode_layers.argtypes = [_I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P]
+        self._decode_layers.argtypes += [_P, _P, _P, _P, _I, _P, _I, ctypes.c_float, _P]
+        self._decode_layers.restype = None
+
+    def w8_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
+        """``out = (x @ weight.T) * scale (+ bias)``; ``x`` ``[M, K]`` float32 contiguous,
+        ``weight`` ``[N, K]`` int8, ``out`` ``[M, N]`` float32."""
+        m, k = x.shape
+        n = weight.shape[0]
+        self._linear(
+            x.data_ptr(),
+            m,
+            k,
+            weight.data_ptr(),
+            scale.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            n,
+            out.data_ptr(),
+        )
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """One query token per sequence over its paged keys; all float32 contiguous.
+
+        ``q``/``out`` ``[S, H, D]``, caches ``[blocks, block_size, KV, D]``, ``tables``
+        ``[S, max_blocks]`` and ``context_lens`` ``[S]`` int64.
+        """
+        s, h, d = q.shape
+        _, block_size, kv, _ = k_cache.shape
+        self._attention(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            context_lens.data_ptr(),
+            s,
+            h,
+            kv,
+            d,
+            block_size,
+            scale,
+            out.data_ptr(),
+        )
+
+    def add_rmsnorm(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        out: torch.Tensor,
+    ) -> None:
+        """``x += h`` (when given, in place), then ``out = rms_norm(x) * weight``; ``[M, D]``."""
+        m, d = x.shape
+        residual = None if h is None else h.data_ptr()
+        self._add_rmsnorm(x.data_ptr(), residual, m, d, weight.data_ptr(), eps, out.data_ptr())
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        q_out: torch.Tensor,
+        k_out: torch.Tensor,
+    ) -> None:
+        """Rotate queries and keys of the fused projection ``qkv`` ``[T, (H + 2 KV) D]`` into
+        ``q_out`` ``[T, H, D]`` and ``k_out`` ``[T, KV, D]``; store keys and values at
+        ``slots`` of the caches. ``cos``/``sin`` ``[T, D]`` (``sin`` signed as rotate_half)."""
+        t, h, d = q_out.shape
+        self._rope_store(
+            qkv.data_ptr(),
+            t,
+            h,
+            k_out.shape[1],
+            d,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            q_out.data_ptr(),
+            k_out.data_ptr(),
+        )
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = silu(gate_up[:, :I]) * gate_up[:, I:]``; ``gate_up`` ``[M, 2I]``."""
+        m, i = out.shape
+        self._silu_mul(gate_up.data_ptr(), m, i, out.data_ptr())
+
+    def decode_layers(
+        self,
+        layer_ptrs: torch.Tensor,
+        dims: DecodeDims,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_size: int,
+        scale: float,
+    ) -> None:
+        """Every layer of an all-decode step in one call (``furnace_decode_layers``).
+
+        ``layer_ptrs``: int64 ``[layers * self.layer_ptrs]`` weight and cache addresses;
+        ``x`` ``[S, hidden]`` is updated in place to the residual stream after the last layer.
+        """
+        s = x.shape[0]
+        scratch = torch.empty(s * dims.scratch_per_token, dtype=torch.float32)
+        self._decode_layers(
+            layer_ptrs.shape[0] // self.layer_ptrs,
+            layer_ptrs.data_ptr(),
+            s,
+            dims.hidden,
+            dims.heads,
+            dims.kv_heads,
+            dims.head_dim,
+            dims.intermediate,
+            dims.eps,
+            x.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            context_lens.data_ptr(),
+            block_size,
+            scale,
+            scratch.data_ptr(),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeDims:
+    """The shapes ``furnace_decode_layers`` needs."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+    @property
+    def scratch_per_token(self) -> int:
+        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
+        attention = 2 * self.heads * self.head_dim + self.kv_heads * self.head_dim
+        return 2 * self.hidden + qkv + attention + 3 * self.intermediate
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get("FURNACE_CACHE_DIR")
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "furnace-trio"
+
+
+def _cpu_identity() -> str:
+    """What ``-march=native`` depends on: the CPU model and its feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        os.replace(tmp, target)  # atomic: a concurrent builder never sees half a file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> Kernels | None:
+    """The kernels, building them if needed; ``None`` where they cannot be built here.
+
+    ``FURNACE_NATIVE=0`` disables them (the torch kernels are used instead).
+    """
+    if os.environ.get("FURNACE_NATIVE", "1") == "0":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("native kernels: no C compiler (set CC); using torch kernels")
+        return None
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    parts = [compiler, version, " ".join(FLAGS), _cpu_identity()]
+    key = hashlib.blake2b(
+        b"\0".join([source, *(p.encode() for p in parts)]), digest_size=12
+    ).hexdigest()
+    with _lock:
+        if key in _loaded:
+            return _loaded[key]
+        target = cache_dir() / f"cpu_kernels-{key}.so"
+        kernels: Kernels | None = None
+        try:
+            if not target.exists():
+                logger.info("native kernels: building %s", target)
+                _build(compiler, target)
+            kernels = Kernels(ctypes.CDLL(str(target)), target)
+        except subprocess.CalledProcessError as exc:
+            logger.warning("native kernels: build failed, using torch kernels:\n%s", exc.stderr)
+        except (OSError, subprocess.SubprocessError) as exc:
+            logger.warning("native kernels unavailable (%s); using torch kernels", exc)
+        _loaded[key] = kernels
+        return kernels

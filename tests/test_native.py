@@ -1,0 +1,209 @@
+"""The native CPU kernels (cpu_kernels.c through furnace_trio.native) against torch.
+
+Every kernel is compared with a plain torch computation of the same math. The int8 linear
+kernel's batch invariance is claimed bitwise, so it is tested with ``torch.equal``. The
+build itself is exercised too: the cache, ``FURNACE_NATIVE=0``, a missing compiler and a
+source that does not compile (the last three must leave the server on torch kernels).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from furnace_trio import native
+from furnace_trio.quant import NATIVE_MAX_ROWS, NativeInt8Linear, quantize_weight
+
+
+@pytest.fixture(scope="module")
+def kernels() -> native.Kernels:
+    k = native.load()
+    assert k is not None, "the native kernels must build on the test machine (a C compiler)"
+    return k
+
+
+def test_build_is_cached_per_machine(kernels: native.Kernels) -> None:
+    assert kernels.vector_width in (1, 8, 16)
+    assert kernels.path.is_file()
+    assert kernels.path.parent == native.cache_dir()
+    assert native.load() is kernels  # built and loaded once per process
+
+
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FURNACE_NATIVE", "0")
+    assert native.load() is None
+
+
+def test_missing_compiler_falls_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger="furnace_trio.native"):
+        assert native.load() is None
+    assert "no C compiler" in caplog.text
+
+
+def test_build_failure_falls_back(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(native, "SOURCE", bad)
+    monkeypatch.setenv("FURNACE_CACHE_DIR", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger="furnace_trio.native"):
+        assert native.load() is None
+    assert "build failed" in caplog.text
+    assert not list((tmp_path / "cache").glob("*.so"))  # no half-built library is kept
+
+
+def _w8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    y = x.double() @ (q.double() * scale.double()[:, None]).T
+    return (y if bias is None else y + bias.double()).float()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (7, 40), (1000, 576)])
+def test_w8_linear_matches_dequantized_matmul(
+    kernels: native.Kernels, rows: int, out_features: int, in_features: int
+) -> None:
+    torch.manual_seed(rows * out_features + in_features)
+    q, scale = quantize_weight(torch.randn(out_features, in_features))
+    x = torch.randn(rows, in_features)
+    for bias in (None, torch.randn(out_features)):
+        out = torch.empty(rows, out_features)
+        kernels.w8_linear(x, q, scale, bias, out)
+        torch.testing.assert_close(out, _w8_reference(x, q, scale, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_w8_linear_rows_are_batch_invariant(kernels: native.Kernels) -> None:
+    """A row's output is bitwise the same alone and at any place in any batch."""
+    torch.manual_seed(0)
+    q, scale = quantize_weight(torch.randn(1030, 576))
+    x = torch.randn(1, 576)
+    alone = torch.empty(1, 1030)
+    kernels.w8_linear(x, q, scale, None, alone)
+    for neighbours in (1, 2, 3, 4, 6, 15, 31):
+        others = torch.randn(neighbours, 576) * torch.logspace(-3, 3, neighbours)[:, None]
+        for at in (0, neighbours // 2, neighbours):
+            batch = torch.cat([others[:at], x, others[at:]])
+            out = torch.empty(len(batch), 1030)
+            kernels.w8_linear(batch, q, scale, None, out)
+            assert torch.equal(out[at], alone[0]), (neighbours, at)
+
+
+def test_native_int8_linear_layer(kernels: native.Kernels) -> None:
+    torch.manual_seed(1)
+    w = torch.randn(300, 200) * 0.05
+    b = torch.randn(300)
+    layer = NativeInt8Linear(w, b, kernels)
+    q, scale = quantize_weight(w)
+    for rows in (1, 9, NATIVE_MAX_ROWS + 5):  # the last one takes the BLAS path
+        x = torch.randn(2, rows, 200)
+        got = layer(x)
+        assert got.shape == (2, rows, 300)
+        want = _w8_reference(x.reshape(-1, 200), q, scale, b).reshape(2, rows, 300)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        # weight-only int8: close to the float layer
+        rel = float((got - F.linear(x, w, b)).norm() / F.linear(x, w, b).norm())
+        assert rel < 0.01
+
+
+def _paged(
+    seqs: list[torch.Tensor], block_size: int, num_blocks: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scatter each sequence's ``[len, KV, D]`` rows into shuffled blocks of a cache."""
+    kv, d = seqs[0].shape[1:]
+    cache = torch.randn(num_blocks, block_size, kv, d, generator=gen)  # garbage elsewhere
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(-(-len(s) // block_size) for s in seqs)
+    tables = torch.zeros(len(seqs), width, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        for b in range(-(-len(s) // block_size)):
+            block = free.pop()
+            tables[i, b] = block
+            chunk = s[b * block_size : (b + 1) * block_size]
+            cache[block, : len(chunk)] = chunk
+    return cache, tables
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 40), (8, 1, 16)])
+def test_paged_decode_attention_matches_sdpa(
+    kernels: native.Kernels, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    gen = torch.Generator().manual_seed(heads)
+    lengths = [1, 5, 16, 17, 150]
+    keys = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lengths]
+    values = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lengths]
+    k_cache, tables = _paged(keys, 16, 40, torch.Generator().manual_seed(7))
+    v_cache, _ = _paged(values, 16, 40, torch.Generator().manual_seed(7))  # same tables
+    q = torch.randn(len(lengths), heads, head_dim, generator=gen)
+    out = torch.empty_like(q)
+    scale = 1 / math.sqrt(head_dim)
+    ctx = torch.tensor(lengths, dtype=torch.int64)
+    kernels.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, out)
+    for i in range(len(lengths)):
+        want = F.scaled_dot_product_attention(
+            q[i][:, None, :],
+            keys[i].transpose(0, 1),
+            values[i].transpose(0, 1),
+            scale=scale,
+            enable_gqa=True,
+        )[:, 0]
+        torch.testing.assert_close(out[i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_add_rmsnorm(kernels: native.Kernels) -> None:
+    torch.manual_seed(2)
+    x = torch.randn(5, 100) * 3
+    h = torch.randn(5, 100)
+    w = torch.randn(100)
+    out = torch.empty(5, 100)
+    before = x.clone()
+    kernels.add_rmsnorm(x, None, w, 1e-5, out)
+    assert torch.equal(x, before)
+    torch.testing.assert_close(out, F.rms_norm(before, (100,), w, 1e-5))
+    kernels.add_rmsnorm(x, h, w, 1e-5, out)
+    torch.testing.assert_close(x, before + h)
+    torch.testing.assert_close(out, F.rms_norm(before + h, (100,), w, 1e-5))
+
+
+def test_rope_store(kernels: native.Kernels) -> None:
+    torch.manual_seed(3)
+    tokens, heads, kv_heads, dim = 6, 4, 2, 8
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    angles = torch.rand(tokens, dim // 2) * 10
+    cos = torch.cat((angles, angles), -1).cos()
+    sin = torch.cat((-angles.sin(), angles.sin()), -1)
+    slots = torch.tensor([9, 2, 0, 7, 4, 11])
+    k_cache = torch.zeros(12, kv_heads, dim)
+    v_cache = torch.zeros(12, kv_heads, dim)
+    q_out = torch.empty(tokens, heads, dim)
+    k_out = torch.empty(tokens, kv_heads, dim)
+    kernels.rope_store(qkv, cos, sin, slots, k_cache, v_cache, q_out, k_out)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:  # Hugging Face's apply_rotary_pos_emb
+        x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
+        c = torch.cat((angles, angles), -1).cos()[:, None]
+        s = torch.cat((angles, angles), -1).sin()[:, None]
+        return x * c + torch.cat((-x2, x1), -1) * s
+
+    heads_all = qkv.view(tokens, heads + 2 * kv_heads, dim)
+    torch.testing.assert_close(q_out, rotate(heads_all[:, :heads]))
+    torch.testing.assert_close(k_out, rotate(heads_all[:, heads : heads + kv_heads]))
+    torch.testing.assert_close(k_cache[slots], k_out)
+    torch.testing.assert_close(v_cache[slots], heads_all[:, heads + kv_heads :])
+    untouched = [i for i in range(12) if i not in slots.tolist()]
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+def test_silu_mul(kernels: native.Kernels) -> None:
+    torch.manual_seed(4)
+    gate_up = torch.randn(3, 2 * 50) * 4
+    out = torch.empty(3, 50)
+    kernels.silu_mul(gate_up, out)
+    torch.testing.assert_close(out, F.silu(gate_up[:, :50]) * gate_up[:, 50:])
