@@ -23,6 +23,7 @@ from _common import PROMPTS, chat_ids, long_prompt_ids, machine, pct, transforme
 
 from furnace_trio.engine import Delta, Engine, EngineConfig, GenerationRequest
 from furnace_trio.loader import LoadedModel, load_model
+from furnace_trio.model_thread import ModelThread
 from furnace_trio.params import SamplingParams
 from furnace_trio.runner import ModelRunner, RunnerConfig
 
@@ -81,12 +82,20 @@ async def closed_loop(
 
 
 async def run_engine(
-    runner: ModelRunner, loaded: LoadedModel, workloads: list[tuple[int, int]], max_tokens: int
+    runner: ModelRunner,
+    thread: ModelThread,
+    loaded: LoadedModel,
+    workloads: list[tuple[int, int]],
+    max_tokens: int,
 ) -> tuple[list[Result], float]:
     tok = loaded.tokenizer
     prompts = [chat_ids(loaded, p) for p in PROMPTS]
     engine = Engine(
-        runner, decode=tok.decode, eos_token_ids=tok.eos_token_ids, config=EngineConfig()
+        runner,
+        decode=tok.decode,
+        eos_token_ids=tok.eos_token_ids,
+        config=EngineConfig(),
+        model_thread=thread,
     )
     results = []
     async with trio.open_nursery() as nursery:
@@ -144,7 +153,11 @@ def main() -> None:
     max_tokens = 16 if args.quick else 64
     workloads = [(1, 2), (4, 1), (16, 1), (32, 1)] if not args.quick else [(1, 1), (4, 1)]
     print(f"machine: {machine()}")
-    loaded = load_model(None)
+    # As the server does: all model work of a runtime on its one model thread (OpenMP
+    # teams are per thread; see furnace_trio/model_thread.py). The loader's thread exits.
+    loader = ModelThread()
+    loaded = loader.call(load_model, None)
+    loader.close()
     ours: dict[str, tuple[list[Result], float]] = {}
     for quant in args.quant.split(","):
         # "int8-torch" / "none-torch": the same without the native kernels (the baseline).
@@ -152,8 +165,9 @@ def main() -> None:
         settings = RunnerConfig(
             device="cpu", kv_cache_bytes=512 << 20, quantization=name, native=kernels != "torch"
         )
-        runner = ModelRunner.from_loaded(loaded, settings)
-        ours[quant] = trio.run(run_engine, runner, loaded, workloads, max_tokens)
+        thread = ModelThread()
+        runner = thread.call(ModelRunner.from_loaded, loaded, settings)
+        ours[quant] = trio.run(run_engine, runner, thread, loaded, workloads, max_tokens)
         del runner
     ref = transformers_figures(loaded, max_tokens)
 

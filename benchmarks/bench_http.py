@@ -6,7 +6,9 @@ streaming chat completions (greedy, ``ignore_eos``, fixed ``max_tokens``): time 
 token p50/p95 (first content chunk), inter-token latency p50/p95, aggregate completion
 tok/s (from ``usage``), and prefill tok/s of a 1,000-token prompt (its time to first token).
 
-    python benchmarks/bench_http.py [--quick] [--quant int8,none]
+    python benchmarks/bench_http.py [--quick] [--quant int8,none,int8-torch]
+
+``-torch`` runtimes run without the native kernels (``FURNACE_NATIVE=0``).
 """
 
 from __future__ import annotations
@@ -118,7 +120,10 @@ async def run(
 
 
 def serve(quant: str, port: int) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, FURNACE_QUANT=quant, FURNACE_LOG_LEVEL="WARNING")
+    # "int8-torch" / "none-torch": the same without the native kernels (the baseline).
+    name, _, kernels = quant.partition("-")
+    env = dict(os.environ, FURNACE_QUANT=name, FURNACE_LOG_LEVEL="WARNING")
+    env["FURNACE_NATIVE"] = "0" if kernels == "torch" else "1"
     cmd = [sys.executable, "-m", "hypercorn", "-c", str(ROOT / "hypercorn.toml")]
     cmd += ["--bind", f"127.0.0.1:{port}", "--access-logfile", "/dev/null"]
     cmd += ["furnace_trio.app:app"]
@@ -142,7 +147,7 @@ def wait_ready(base_url: str, proc: subprocess.Popen[bytes], timeout: float = 30
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--quant", default="int8,none")
+    parser.add_argument("--quant", default="int8,none,int8-torch")
     args = parser.parse_args()
     max_tokens = 16 if args.quick else 64
     workloads = [(1, 1), (4, 1)] if args.quick else [(1, 2), (4, 1), (16, 1), (32, 1)]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from .config import ServerConfig
 from .engine import Engine, EngineConfig
+from .model_thread import ModelThread
 from .plan import ChunkPlan, StepPlan
 from .tokenizer import Tokenizer
 
@@ -64,11 +65,10 @@ def _warm_up(runner: ModelRunner) -> None:
 
 def load_backend(config: ServerConfig) -> Backend:
     """Load the configured model (default: the embedded SmolLM2) and build its engine."""
-    from .loader import load_model
+    from .loader import LoadedModel, load_model
     from .runner import ModelRunner, RunnerConfig, resolve_device
 
     started = time.monotonic()
-    loaded = load_model(config.model)
     device = resolve_device(config.device)
     settings = RunnerConfig(
         device=str(device),
@@ -77,8 +77,20 @@ def load_backend(config: ServerConfig) -> Backend:
         max_context=config.max_context,
         quantization=config.quantization,
     )
-    runner = ModelRunner.from_loaded(loaded, settings)
-    _warm_up(runner)
+
+    def build() -> tuple[LoadedModel, ModelRunner]:
+        loaded = load_model(config.model)
+        runner = ModelRunner.from_loaded(loaded, settings)
+        _warm_up(runner)
+        return loaded, runner
+
+    # Loading, warm-up and every step on one thread: see model_thread.py.
+    thread = ModelThread()
+    try:
+        loaded, runner = thread.call(build)
+    except BaseException:
+        thread.close()
+        raise
     tokenizer = loaded.tokenizer
     max_running, max_step_tokens = DEFAULT_LIMITS.get(device.type, DEFAULT_LIMITS["cpu"])
     engine = Engine(
@@ -96,6 +108,7 @@ def load_backend(config: ServerConfig) -> Backend:
             prefix_cache=config.prefix_cache,
             step_timeout_s=config.step_timeout_s,
         ),
+        model_thread=thread,
     )
     logger.info("loaded %s in %.1f s", loaded.name, time.monotonic() - started)
     return Backend(

@@ -4,7 +4,7 @@ One Trio task (:meth:`Engine.run`, started with ``nursery.start``) owns the sche
 the KV block pool; nothing else touches them except the synchronous :meth:`Engine.submit`
 and :meth:`Engine.abort`, which run on the same Trio thread, so there are no locks::
 
-    loop: schedule()  ->  await to_thread(runner.step, plan)  ->  update()  ->  send_nowait
+    loop: schedule()  ->  await model_thread.run(runner.step, plan)  ->  update()  ->  send_nowait
           (idle: sleep on a trio.Event that submit() sets)
 
 - Aborts take effect at once (blocks freed synchronously); a request submitted while a
@@ -20,11 +20,12 @@ and :meth:`Engine.abort`, which run on the same Trio thread, so there are no loc
   turns false and :meth:`Engine.submit` raises :class:`EngineUnavailable`: no request
   ever hangs. :meth:`Engine.run` then returns instead of raising, because an exception
   escaping quart-trio's lifespan nursery is only logged while the server goes on.
+- Steps run on one :class:`~furnace_trio.model_thread.ModelThread` for the engine's life
+  (OpenMP thread teams are per thread; see that module).
 - Watchdog: a step that runs past ``step_timeout_s`` kills the engine the same way. A
-  thread cannot be killed, so the engine abandons it (``abandon_on_cancel=True`` under a
-  shielded scope whose own deadline is the watchdog: nothing else can cancel a step) and
-  the thread finishes whenever it finishes; no other step ever starts, because the engine
-  is dead. Every :class:`Failed` carries a :class:`FailureCause`, so the HTTP layer can
+  thread cannot be killed, so the engine abandons the step (under a shielded scope whose
+  own deadline is the watchdog: nothing else can cancel a step) and the thread finishes
+  whenever it finishes; no other step ever starts, because the engine is dead. Every :class:`Failed` carries a :class:`FailureCause`, so the HTTP layer can
   tell "the model failed on this request" (500) from "the server cannot serve" (503).
 - Drain: :meth:`Engine.drain` stops admitting but lets every accepted request (running or
   queued) finish; :meth:`Engine.cancel_all` then fails whatever is left, and :meth:`run`
@@ -55,6 +56,7 @@ import trio
 
 from .block_pool import BlockPool
 from .detokenizer import IncrementalDetokenizer
+from .model_thread import ModelThread
 from .params import SamplingParams
 from .plan import SampledToken, StepRunner
 from .scheduler import (
@@ -292,8 +294,12 @@ class Engine:
         eos_token_ids: frozenset[int],
         token_bytes: Callable[[int], bytes] | None = None,
         config: EngineConfig = EngineConfig(),  # frozen, so one default is safe to share
+        model_thread: ModelThread | None = None,
     ) -> None:
         self._runner = runner
+        # Steps run on one thread for the engine's life (see model_thread.py); a backend
+        # passes the thread that loaded the model.
+        self._model_thread = model_thread if model_thread is not None else ModelThread()
         self._decode = decode
         self._token_bytes = token_bytes
         self.config = config
@@ -317,7 +323,6 @@ class Engine:
         )
         self._scheduler.reclaim = self._reclaim
         self._next_expiry = 0.0
-        self._limiter = trio.CapacityLimiter(1)
         self._wake = trio.Event()
         self._state = _State.NEW
         self._failure: str | None = None
@@ -350,6 +355,8 @@ class Engine:
         except BaseException:
             self._die("the engine was stopped")
             raise
+        finally:
+            self._model_thread.close()  # an abandoned step still finishes first
         if self._state in (_State.SHUTTING_DOWN, _State.DRAINING):
             self._state = _State.STOPPED
 
@@ -576,7 +583,7 @@ class Engine:
             self._deliver(outputs, now)
 
     async def _run_step(self, step: ScheduledStep) -> list[SampledToken]:
-        """Run the model step in a worker thread under the watchdog.
+        """Run the model step on the model thread under the watchdog.
 
         The scope is shielded, so only its own deadline (the watchdog) cancels it: an
         outer cancellation waits for the step, as ``abandon_on_cancel=False`` would. When
@@ -585,9 +592,7 @@ class Engine:
         timeout = self.config.step_timeout_s
         deadline = math.inf if timeout is None else trio.current_time() + timeout
         with trio.CancelScope(deadline=deadline, shield=True):
-            return await trio.to_thread.run_sync(
-                self._runner.step, step.plan, limiter=self._limiter, abandon_on_cancel=True
-            )
+            return await self._model_thread.run(self._runner.step, step.plan)
         raise _WatchdogFired(f"a model step ran past the watchdog of {timeout} s")
 
     def _on_admitted(self, step: ScheduledStep) -> None:
