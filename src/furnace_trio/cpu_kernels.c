@@ -58,158 +58,107 @@ static inline vf v_set1(float a) { return a; }
 
 int furnace_vector_width(void) { return VW; }
 
-/* The dot product of one activation row with one int8 weight row, finished with the tail.
- * Every (row, output) pair goes through exactly this arithmetic (the blocked loops below
- * keep the same per-pair order), which is what makes the result batch invariant. */
-static inline float tail_dot(float acc, const float *x, const int8_t *w, int64_t k0, int64_t K) {
-    for (int64_t k = k0; k < K; k++) acc += x[k] * (float)w[k];
-    return acc;
-}
-
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
-/* Rows per block: sixteen accumulators (4 outputs x 4 rows) fit AVX-512's 32 registers;
- * AVX2 has 16, so it takes 4 outputs x 2 rows (more would spill in the inner loop). */
+/* ---- int8-weight linear layers ----
+ *
+ * Weights are packed in panels of PW consecutive outputs, k-major: panel p holds
+ * w[p*PW + j, k] at [p][k][j] (int8; outputs past N are zero). A step of the inner loop
+ * widens one k-row of the panel (PW weights, PV vectors) to float once and multiplies it
+ * with one broadcast activation per row: every output is a lane of an accumulator, so
+ * no horizontal sums are needed, and each output accumulates x[k] * w[k] in k order with
+ * one FMA chain whatever the batch: the result is bitwise the same alone or in any batch.
+ *
+ * Register blocking: PV accumulators per row, W8_ROWS rows at a time (24 of AVX-512's 32
+ * registers; 8 of AVX2's 16). One row alone (single-stream decode) has its own loop. */
+#define PV 4
+#define PW (PV * VW)
 #if VW == 16
-#define W8_ROWS 4
+#define W8_ROWS 6
 #else
 #define W8_ROWS 2
 #endif
 
-/* Weights stream from memory once per step; the hardware prefetcher alone leaves about a
- * third of the bandwidth unused (measured), so each pass over a 64-byte column of a block
- * also prefetches the same column of the block two ahead (prefetches never fault). */
-#if VW > 1
-static ALWAYS_INLINE void w8_prefetch(const int8_t *row0, int64_t k, int64_t K) {
-    if ((k & 63) == 0) {
-        const char *ahead = (const char *)(row0 + k) + 8 * K;
-        _mm_prefetch(ahead, _MM_HINT_T0);
-        _mm_prefetch(ahead + K, _MM_HINT_T0);
-        _mm_prefetch(ahead + 2 * K, _MM_HINT_T0);
-        _mm_prefetch(ahead + 3 * K, _MM_HINT_T0);
+int furnace_w8_panel_width(void) { return PW; }
+
+/* y[m, n .. n + VW) from one accumulator: scale, bias, bounds. Outside the hot loop, and
+ * kept out of line: inlined into every register-block variant it made the build slow. */
+static __attribute__((noinline)) void w8_store(vf acc, int64_t n, int64_t N, const float *scale,
+                                   const float *bias, float *yrow) {
+    float tmp[VW];
+    v_store(tmp, acc);
+    for (int i = 0; i < VW && n + i < N; i++) {
+        float s = tmp[i] * scale[n + i];
+        if (bias) s += bias[n + i];
+        yrow[n + i] = s;
     }
 }
-#else
-static inline void w8_prefetch(const int8_t *row0, int64_t k, int64_t K) {
-    (void)row0, (void)k, (void)K;
-}
-#endif
 
-/* The weight vector of row i of the block at column k: converted from int8 on the fly
- * (few rows: each weight is used once or twice) or loaded from the block's float copy. */
-static ALWAYS_INLINE vf w8_load(const int8_t *const *wr, const float *wf, int64_t K, int i, int64_t k) {
-    return wf ? v_load(wf + i * K + k) : v_i8(wr[i] + k);
-}
+/* Panel k-rows are prefetched this many bytes ahead: the hardware prefetcher alone
+ * leaves about a third of the bandwidth unused (measured on the single-stream decode). */
+#define W8_PREFETCH_BYTES 2048
 
-/* One block: four outputs (rows of w) by up to W8_ROWS activation rows (a short block
- * repeats its first row and drops those results). Every (row, output) pair accumulates
- * the same FMAs in the same order on every path, hence batch invariance. */
-static ALWAYS_INLINE void w8_block(const float *x, int64_t m0, int64_t mm, int64_t K, int64_t kv,
-                            const int8_t *const *wr, const float *wf, int64_t nn, int64_t n0,
-                            const float *scale, const float *bias, int64_t N, float *y) {
-    vf acc[4][W8_ROWS];
+/* R rows from m0 (R a compile-time constant after inlining: 1 .. W8_ROWS). */
+static ALWAYS_INLINE void w8_panel_rows(const float *x, int64_t m0, const int R, int64_t K,
+                                        const int8_t *w, int64_t n0, int64_t N,
+                                        const float *scale, const float *bias, float *y) {
     const float *xr[W8_ROWS];
-    for (int j = 0; j < W8_ROWS; j++) xr[j] = x + (m0 + (j < mm ? j : 0)) * K;
-    if (nn == 4 && mm == 1) {
-        vf a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
-        for (int64_t k = 0; k < kv; k += VW) {
-            if (!wf) w8_prefetch(wr[0], k, K);
-            vf xv = v_load(xr[0] + k);
-            a0 = v_fma(w8_load(wr, wf, K, 0, k), xv, a0);
-            a1 = v_fma(w8_load(wr, wf, K, 1, k), xv, a1);
-            a2 = v_fma(w8_load(wr, wf, K, 2, k), xv, a2);
-            a3 = v_fma(w8_load(wr, wf, K, 3, k), xv, a3);
-        }
-        acc[0][0] = a0, acc[1][0] = a1, acc[2][0] = a2, acc[3][0] = a3;
-    } else if (nn == 4) {
-        vf a00 = v_zero(), a10 = v_zero(), a20 = v_zero(), a30 = v_zero();
-        vf a01 = v_zero(), a11 = v_zero(), a21 = v_zero(), a31 = v_zero();
-#if W8_ROWS == 4
-        vf a02 = v_zero(), a12 = v_zero(), a22 = v_zero(), a32 = v_zero();
-        vf a03 = v_zero(), a13 = v_zero(), a23 = v_zero(), a33 = v_zero();
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) xr[r] = x + (m0 + r) * K;
+    vf a[W8_ROWS][PV];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < PV; v++) a[r][v] = v_zero();
+    for (int64_t k = 0; k < K; k++) {
+        const int8_t *wk = w + k * PW;
+#if VW > 1
+        _mm_prefetch((const char *)wk + W8_PREFETCH_BYTES, _MM_HINT_T0);
 #endif
-        for (int64_t k = 0; k < kv; k += VW) {
-            if (!wf) w8_prefetch(wr[0], k, K);
-            vf w0 = w8_load(wr, wf, K, 0, k), w1 = w8_load(wr, wf, K, 1, k);
-            vf w2 = w8_load(wr, wf, K, 2, k), w3 = w8_load(wr, wf, K, 3, k);
-            vf xv = v_load(xr[0] + k);
-            a00 = v_fma(w0, xv, a00), a10 = v_fma(w1, xv, a10);
-            a20 = v_fma(w2, xv, a20), a30 = v_fma(w3, xv, a30);
-            xv = v_load(xr[1] + k);
-            a01 = v_fma(w0, xv, a01), a11 = v_fma(w1, xv, a11);
-            a21 = v_fma(w2, xv, a21), a31 = v_fma(w3, xv, a31);
-#if W8_ROWS == 4
-            xv = v_load(xr[2] + k);
-            a02 = v_fma(w0, xv, a02), a12 = v_fma(w1, xv, a12);
-            a22 = v_fma(w2, xv, a22), a32 = v_fma(w3, xv, a32);
-            xv = v_load(xr[3] + k);
-            a03 = v_fma(w0, xv, a03), a13 = v_fma(w1, xv, a13);
-            a23 = v_fma(w2, xv, a23), a33 = v_fma(w3, xv, a33);
-#endif
-        }
-        acc[0][0] = a00, acc[1][0] = a10, acc[2][0] = a20, acc[3][0] = a30;
-        acc[0][1] = a01, acc[1][1] = a11, acc[2][1] = a21, acc[3][1] = a31;
-#if W8_ROWS == 4
-        acc[0][2] = a02, acc[1][2] = a12, acc[2][2] = a22, acc[3][2] = a32;
-        acc[0][3] = a03, acc[1][3] = a13, acc[2][3] = a23, acc[3][3] = a33;
-#endif
-    } else {
-        /* The last, partial block of outputs: rarely hot. */
-        for (int i = 0; i < nn; i++)
-            for (int j = 0; j < mm; j++) acc[i][j] = v_zero();
-        for (int64_t k = 0; k < kv; k += VW) {
-            vf wv[4];
-            for (int i = 0; i < nn; i++) wv[i] = w8_load(wr, wf, K, i, k);
-            for (int j = 0; j < mm; j++) {
-                vf xv = v_load(xr[j] + k);
-                for (int i = 0; i < nn; i++) acc[i][j] = v_fma(wv[i], xv, acc[i][j]);
-            }
+        vf wv[PV];
+#pragma GCC unroll 4
+        for (int v = 0; v < PV; v++) wv[v] = v_i8(wk + v * VW);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const vf xb = v_set1(xr[r][k]);
+#pragma GCC unroll 4
+            for (int v = 0; v < PV; v++) a[r][v] = v_fma(wv[v], xb, a[r][v]);
         }
     }
-    for (int i = 0; i < nn; i++) {
-        const int64_t n = n0 + i;
-        for (int j = 0; j < mm; j++) {
-            float s = tail_dot(v_sum(acc[i][j]), xr[j], wr[i], kv, K) * scale[n];
-            if (bias) s += bias[n];
-            y[(m0 + j) * N + n] = s;
-        }
-    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < PV; v++) w8_store(a[r][v], n0 + v * VW, N, scale, bias, y + (m0 + r) * N);
 }
 
 /* y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]).
- * x: [M, K] float32, w: [N, K] int8, scale: [N], bias: [N] or NULL, y: [M, N].
- * Threads split the outputs in blocks of four. With more than W8_ROWS rows, each block's
- * four weight rows are converted to float once (the very values the on-the-fly conversion
- * gives) and reused by every row block. */
-void furnace_w8_linear(const float *x, int64_t M, int64_t K, const int8_t *w,
+ * x: [M, K] float32; wp: the packed panels (see above); scale: [N]; bias: [N] or NULL;
+ * y: [M, N]. Threads split the panels; rows go W8_ROWS at a time, the rest in one
+ * block of exactly their number (no wasted lanes). */
+void furnace_w8_linear(const float *x, int64_t M, int64_t K, const int8_t *wp,
                        const float *scale, const float *bias, int64_t N, float *y) {
-    const int64_t kv = K - K % VW;
-    const int64_t nblocks = (N + 3) / 4;
-#pragma omp parallel
-    {
-        float *wf = M > W8_ROWS ? (float *)malloc(sizeof(float) * 4 * K) : NULL;
-#pragma omp for schedule(static)
-        for (int64_t nb = 0; nb < nblocks; nb++) {
-            const int64_t n0 = nb * 4;
-            const int64_t nn = N - n0 < 4 ? N - n0 : 4;
-            const int8_t *wr[4];
-            for (int i = 0; i < 4; i++) wr[i] = w + (n0 + (i < nn ? i : 0)) * K;
-            if (wf) {
-                for (int64_t k = 0; k < kv; k += VW) {
-                    w8_prefetch(wr[0], k, K);
-                    for (int i = 0; i < 4; i++) v_store(wf + i * K + k, v_i8(wr[i] + k));
-                }
-            }
-            for (int64_t m0 = 0; m0 < M; m0 += W8_ROWS) {
-                const int64_t mm = M - m0 < W8_ROWS ? M - m0 : W8_ROWS;
-                /* Two call sites so each inlined copy knows whether wf is NULL. */
-                if (wf)
-                    w8_block(x, m0, mm, K, kv, wr, wf, nn, n0, scale, bias, N, y);
-                else
-                    w8_block(x, m0, mm, K, kv, wr, NULL, nn, n0, scale, bias, N, y);
+    const int64_t panels = (N + PW - 1) / PW;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const int8_t *w = wp + p * K * PW;
+        const int64_t n0 = p * PW;
+        for (int64_t m0 = 0; m0 < M; m0 += W8_ROWS) {
+            switch (M - m0 < W8_ROWS ? M - m0 : W8_ROWS) {
+#define W8_CASE(R)                                                        \
+    case R:                                                               \
+        w8_panel_rows(x, m0, R, K, w, n0, N, scale, bias, y);             \
+        break;
+                W8_CASE(1)
+                W8_CASE(2)
+#if W8_ROWS > 2
+                W8_CASE(3)
+                W8_CASE(4)
+                W8_CASE(5)
+                W8_CASE(6)
+#endif
+#undef W8_CASE
             }
         }
-        free(wf);
     }
 }
 

@@ -580,7 +580,7 @@ class Transformer(nn.Module):
                 if not isinstance(linear, NativeInt8Linear):
                     return None
                 bias = 0 if linear.bias is None else linear.bias.data_ptr()
-                rows += [linear.qweight.data_ptr(), linear.scale.data_ptr(), bias]
+                rows += [linear.packed.data_ptr(), linear.scale.data_ptr(), bias]
             rows += [
                 layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(),

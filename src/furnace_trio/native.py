@@ -45,6 +45,7 @@ class Kernels:
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
         self.vector_width = int(lib.furnace_vector_width())
+        self.panel_width = int(lib.furnace_w8_panel_width())
         self._linear = lib.furnace_w8_linear
         self._linear.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P]
         self._linear.restype = None
@@ -66,23 +67,38 @@ class Kernels:
         self._decode_layers.argtypes += [_P, _P, _P, _P, _I, _P, _I, ctypes.c_float, _P]
         self._decode_layers.restype = None
 
+    def pack_w8(self, q: torch.Tensor) -> torch.Tensor:
+        """``[N, K]`` int8 -> the kernel's panels ``[ceil(N / P), K, P]`` (outputs k-major
+        in panels of ``P = panel_width``, zero-padded)."""
+        n, k = q.shape
+        p = self.panel_width
+        padded = torch.zeros((-(-n // p) * p, k), dtype=torch.int8)
+        padded[:n] = q
+        return padded.view(-1, p, k).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def unpack_w8(packed: torch.Tensor, n: int) -> torch.Tensor:
+        """The inverse of :meth:`pack_w8`: ``[N, K]`` int8."""
+        panels, k, p = packed.shape
+        return packed.transpose(1, 2).reshape(panels * p, k)[:n]
+
     def w8_linear(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor,
+        packed: torch.Tensor,
         scale: torch.Tensor,
         bias: torch.Tensor | None,
         out: torch.Tensor,
     ) -> None:
-        """``out = (x @ weight.T) * scale (+ bias)``; ``x`` ``[M, K]`` float32 contiguous,
-        ``weight`` ``[N, K]`` int8, ``out`` ``[M, N]`` float32."""
+        """``out = (x @ W.T) * scale (+ bias)``; ``x`` ``[M, K]`` float32 contiguous,
+        ``packed`` the int8 ``W`` ``[N, K]`` from :meth:`pack_w8`, ``out`` ``[M, N]``."""
         m, k = x.shape
-        n = weight.shape[0]
+        n = out.shape[1]
         self._linear(
             x.data_ptr(),
             m,
             k,
-            weight.data_ptr(),
+            packed.data_ptr(),
             scale.data_ptr(),
             None if bias is None else bias.data_ptr(),
             n,
