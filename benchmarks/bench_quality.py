@@ -7,6 +7,9 @@
   step, then decoded together): the share of prompts whose 64 tokens differ, per runtime.
 - Perplexity of both runtimes on ``tests/data/perplexity.txt``.
 
+``int8`` is the native weight-only kernel; ``int8-torch`` (fbgemm, int8 activations in two
+7-bit passes) is measured too, for batch invariance and perplexity.
+
     python benchmarks/bench_quality.py
 """
 
@@ -57,10 +60,13 @@ def main() -> None:
     text_ids = loaded.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     alone: dict[str, list[list[int]]] = {}
     runners: dict[str, ModelRunner] = {}
-    for quant in ("none", "int8"):
-        runner = ModelRunner.from_loaded(
-            loaded, RunnerConfig(device="cpu", kv_cache_bytes=256 << 20, quantization=quant)
+    # "int8-torch": the fbgemm int8 path used without the native kernels, for comparison.
+    for quant in ("none", "int8", "int8-torch"):
+        name, _, kernels = quant.partition("-")
+        settings = RunnerConfig(
+            device="cpu", kv_cache_bytes=256 << 20, quantization=name, native=kernels != "torch"
         )
+        runner = ModelRunner.from_loaded(loaded, settings)
         runners[quant] = runner
         alone[quant] = [greedy(runner, [p], STEPS)[0] for p in prompts]
         batched = greedy(runner, prompts, STEPS)

@@ -19,19 +19,30 @@ import torch.nn.functional as F
 from furnace_trio import native
 from furnace_trio.quant import NativeInt8Linear, quantize_weight
 
+# The kernels for this CPU, and the narrower builds a CPU without AVX-512 (or without AVX2)
+# gets: every kernel test runs on each build this machine can execute.
+BUILDS = {"native": (), "no-avx512": ("-mno-avx512f",), "plain-c": ("-march=x86-64",)}
 
-@pytest.fixture(scope="module")
-def kernels() -> native.Kernels:
-    k = native.load()
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def kernels(request: pytest.FixtureRequest) -> native.Kernels:
+    k = native.load(BUILDS[request.param])
     assert k is not None, "the native kernels must build on the test machine (a C compiler)"
+    if request.param == "plain-c":
+        assert k.vector_width == 1
+    elif request.param == "no-avx512":
+        assert k.vector_width in (1, 8)
     return k
 
 
-def test_build_is_cached_per_machine(kernels: native.Kernels) -> None:
+def test_build_is_cached_per_machine() -> None:
+    kernels = native.load()
+    assert kernels is not None
     assert kernels.vector_width in (1, 8, 16)
     assert kernels.path.is_file()
     assert kernels.path.parent == native.cache_dir()
     assert native.load() is kernels  # built and loaded once per process
+    assert native.load(("-march=x86-64",)) is not kernels
 
 
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:

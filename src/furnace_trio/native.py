@@ -269,13 +269,13 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            [compiler, *flags, str(SOURCE), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -287,10 +287,12 @@ def _build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
-def load() -> Kernels | None:
+def load(extra_flags: tuple[str, ...] = ()) -> Kernels | None:
     """The kernels, building them if needed; ``None`` where they cannot be built here.
 
     ``FURNACE_NATIVE=0`` disables them (the torch kernels are used instead).
+    ``extra_flags`` go after :data:`FLAGS` (tests build the AVX2 and plain-C variants on an
+    AVX-512 machine with ``-mno-avx512f`` and ``-march=x86-64``).
     """
     if os.environ.get("FURNACE_NATIVE", "1") == "0":
         return None
@@ -305,7 +307,8 @@ def load() -> Kernels | None:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    parts = [compiler, version, " ".join(FLAGS), _cpu_identity()]
+    flags = (*FLAGS, *extra_flags)
+    parts = [compiler, version, " ".join(flags), _cpu_identity()]
     key = hashlib.blake2b(
         b"\0".join([source, *(p.encode() for p in parts)]), digest_size=12
     ).hexdigest()
@@ -317,7 +320,7 @@ def load() -> Kernels | None:
         try:
             if not target.exists():
                 logger.info("native kernels: building %s", target)
-                _build(compiler, target)
+                _build(compiler, flags, target)
             kernels = Kernels(ctypes.CDLL(str(target)), target)
         except subprocess.CalledProcessError as exc:
             logger.warning("native kernels: build failed, using torch kernels:\n%s", exc.stderr)
