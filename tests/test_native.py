@@ -45,6 +45,19 @@ def test_build_is_cached_per_machine() -> None:
     assert native.load(("-march=x86-64",)) is not kernels
 
 
+def test_fresh_build_in_an_empty_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """What a new machine does on first start: compile, cache, load, compute."""
+    monkeypatch.setenv("FURNACE_CACHE_DIR", str(tmp_path))
+    kernels = native.load()
+    assert kernels is not None
+    assert kernels.path.parent == tmp_path and kernels.path.is_file()
+    q, scale = quantize_weight(torch.randn(70, 48))
+    x = torch.randn(3, 48)
+    out = torch.empty(3, 70)
+    kernels.w8_linear(x, kernels.pack_w8(q), scale, None, out)
+    torch.testing.assert_close(out, _w8_reference(x, q, scale, None), rtol=1e-5, atol=1e-4)
+
+
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FURNACE_NATIVE", "0")
     assert native.load() is None

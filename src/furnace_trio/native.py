@@ -312,10 +312,10 @@ def load(extra_flags: tuple[str, ...] = ()) -> Kernels | None:
     key = hashlib.blake2b(
         b"\0".join([source, *(p.encode() for p in parts)]), digest_size=12
     ).hexdigest()
+    target = cache_dir() / f"cpu_kernels-{key}.so"
     with _lock:
-        if key in _loaded:
-            return _loaded[key]
-        target = cache_dir() / f"cpu_kernels-{key}.so"
+        if str(target) in _loaded:
+            return _loaded[str(target)]
         kernels: Kernels | None = None
         try:
             if not target.exists():
@@ -326,5 +326,5 @@ def load(extra_flags: tuple[str, ...] = ()) -> Kernels | None:
             logger.warning("native kernels: build failed, using torch kernels:\n%s", exc.stderr)
         except (OSError, subprocess.SubprocessError) as exc:
             logger.warning("native kernels unavailable (%s); using torch kernels", exc)
-        _loaded[key] = kernels
+        _loaded[str(target)] = kernels
         return kernels
