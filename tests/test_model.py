@@ -162,6 +162,7 @@ def test_int8_fused_decode_equals_per_op_path(tmp_path: Path, arch: str) -> None
     path = write_tiny_model(tmp_path, arch, tied=False, rope_llama3=False)
     runner = _runner(path, quantization="int8")
     assert runner.model.kernels is not None
+    assert runner.cache.k.dtype == torch.float16  # int8 with native kernels: half the KV bytes
     vocab = runner.config.vocab_size
     gen = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (6, 13, 2)]
@@ -178,3 +179,35 @@ def test_int8_fused_decode_equals_per_op_path(tmp_path: Path, arch: str) -> None
     assert torch.equal(fused, per_op)
     ref = _ref_logits(_reference(path), seqs[1])[-1]
     assert float((fused[1] - ref).norm() / ref.norm()) < 0.02
+
+
+def test_kv_dtype_follows_the_runtime(tmp_path: Path) -> None:
+    path = write_tiny_model(tmp_path, "llama", tied=False, rope_llama3=False)
+    assert _runner(path).cache.k.dtype == torch.float32  # float reference: float32 KV
+    assert _runner(path, native=False, quantization="int8").cache.k.dtype == torch.float32
+    config, weights = load_hf_directory(path)
+    settings = RunnerConfig(
+        device="cpu", kv_cache_bytes=1 << 22, quantization="int8", kv_dtype="model"
+    )
+    assert ModelRunner(config, weights, settings).cache.k.dtype == torch.float32
+    with pytest.raises(ValueError, match="kv_dtype"):
+        ModelRunner(config, weights, RunnerConfig(device="cpu", kv_dtype="int4"))
+
+
+def test_int8_chunked_prefill_over_a_float16_cache(tmp_path: Path) -> None:
+    """Chunks after cached tokens read the float16 KV through the torch attention path."""
+    path = write_tiny_model(tmp_path, "qwen2", tied=False, rope_llama3=False)
+    runner = _runner(path, quantization="int8")
+    assert runner.cache.k.dtype == torch.float16
+    ids = torch.randint(
+        0, runner.config.vocab_size, (30,), generator=torch.Generator().manual_seed(6)
+    )
+    ids_t = tuple(ids.tolist())
+    whole = runner.logits(StepPlan((ChunkPlan(1, ids_t, 0, _table(0)),)))[0]
+    pos = 0
+    for size in (7, 1, 9, 13):
+        got = runner.logits(StepPlan((ChunkPlan(2, ids_t[pos : pos + size], pos, _table(16)),)))
+        pos += size
+    assert float((got[0] - whole).norm() / whole.norm()) < 1e-2
+    ref = _ref_logits(_reference(path), list(ids_t))[-1]
+    assert float((got[0] - ref).norm() / ref.norm()) < 0.02

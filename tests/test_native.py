@@ -157,16 +157,19 @@ def _paged(
     return cache, tables
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 40), (8, 1, 16)])
 def test_paged_decode_attention_matches_sdpa(
-    kernels: native.Kernels, heads: int, kv_heads: int, head_dim: int
+    kernels: native.Kernels, heads: int, kv_heads: int, head_dim: int, cache_dtype: torch.dtype
 ) -> None:
     gen = torch.Generator().manual_seed(heads)
     lengths = [1, 5, 16, 17, 150]
-    keys = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lengths]
-    values = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lengths]
+    # Values a float16 cache holds exactly, so both cache types have one reference.
+    keys = [torch.randn(n, kv_heads, head_dim, generator=gen).half().float() for n in lengths]
+    values = [torch.randn(n, kv_heads, head_dim, generator=gen).half().float() for n in lengths]
     k_cache, tables = _paged(keys, 16, 40, torch.Generator().manual_seed(7))
     v_cache, _ = _paged(values, 16, 40, torch.Generator().manual_seed(7))  # same tables
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     q = torch.randn(len(lengths), heads, head_dim, generator=gen)
     out = torch.empty_like(q)
     scale = 1 / math.sqrt(head_dim)
@@ -198,7 +201,8 @@ def test_add_rmsnorm(kernels: native.Kernels) -> None:
     torch.testing.assert_close(out, F.rms_norm(before + h, (100,), w, 1e-5))
 
 
-def test_rope_store(kernels: native.Kernels) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_rope_store(kernels: native.Kernels, cache_dtype: torch.dtype) -> None:
     torch.manual_seed(3)
     tokens, heads, kv_heads, dim = 6, 4, 2, 8
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
@@ -206,8 +210,8 @@ def test_rope_store(kernels: native.Kernels) -> None:
     cos = torch.cat((angles, angles), -1).cos()
     sin = torch.cat((-angles.sin(), angles.sin()), -1)
     slots = torch.tensor([9, 2, 0, 7, 4, 11])
-    k_cache = torch.zeros(12, kv_heads, dim)
-    v_cache = torch.zeros(12, kv_heads, dim)
+    k_cache = torch.zeros(12, kv_heads, dim, dtype=cache_dtype)
+    v_cache = torch.zeros(12, kv_heads, dim, dtype=cache_dtype)
     q_out = torch.empty(tokens, heads, dim)
     k_out = torch.empty(tokens, kv_heads, dim)
     kernels.rope_store(qkv, cos, sin, slots, k_cache, v_cache, q_out, k_out)
@@ -221,10 +225,31 @@ def test_rope_store(kernels: native.Kernels) -> None:
     heads_all = qkv.view(tokens, heads + 2 * kv_heads, dim)
     torch.testing.assert_close(q_out, rotate(heads_all[:, :heads]))
     torch.testing.assert_close(k_out, rotate(heads_all[:, heads : heads + kv_heads]))
-    torch.testing.assert_close(k_cache[slots], k_out)
-    torch.testing.assert_close(v_cache[slots], heads_all[:, heads + kv_heads :])
+    # float16 caches hold exactly torch's round-to-nearest-even of the float32 values
+    assert torch.equal(k_cache[slots], k_out.to(cache_dtype))
+    assert torch.equal(v_cache[slots], heads_all[:, heads + kv_heads :].to(cache_dtype))
     untouched = [i for i in range(12) if i not in slots.tolist()]
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+def test_float16_conversions_match_torch(kernels: native.Kernels) -> None:
+    """Round to nearest even, subnormals, overflow, infinities, NaN: as torch (the plain-C
+    build converts in software, the others with F16C)."""
+    torch.manual_seed(5)
+    special = [0.0, -0.0, 1.0, 65504.0, 65520.0, 1e6, -1e6, 6.1e-5, 5.96e-8, 2.98e-8, 1e-9]
+    ties = [1 + 2**-11, 1 + 3 * 2**-11, 2048 + 1.0, 2048 + 3.0]  # halfway cases
+    x = torch.cat(
+        [
+            torch.tensor(special + ties + [float("inf"), float("-inf")]),
+            torch.randn(5000) * torch.logspace(-9, 5, 5000),
+        ]
+    )
+    assert torch.equal(kernels.f32_to_f16(x), x.half())
+    h = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    back, want = kernels.f16_to_f32(h), h.float()
+    assert torch.equal(back.isnan(), want.isnan())
+    assert torch.equal(back[~want.isnan()], want[~want.isnan()])
+    assert kernels.f32_to_f16(torch.tensor([float("nan")])).isnan().all()
 
 
 def test_silu_mul(kernels: native.Kernels) -> None:

@@ -26,7 +26,10 @@ static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float v_sum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline void v_store(float *p, vf a) { _mm512_storeu_ps(p, a); }
 static inline vf v_set1(float a) { return _mm512_set1_ps(a); }
-#elif defined(__AVX2__) && defined(__FMA__)
+static inline vf v_loadh(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define VW 8
 typedef __m256 vf;
@@ -38,6 +41,7 @@ static inline vf v_i8(const int8_t *p) {
 static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline void v_store(float *p, vf a) { _mm256_storeu_ps(p, a); }
 static inline vf v_set1(float a) { return _mm256_set1_ps(a); }
+static inline vf v_loadh(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 static inline float v_sum(vf a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -54,7 +58,67 @@ static inline vf v_fma(vf a, vf b, vf c) { return a * b + c; }
 static inline float v_sum(vf a) { return a; }
 static inline void v_store(float *p, vf a) { *p = a; }
 static inline vf v_set1(float a) { return a; }
+static inline float h2f(uint16_t h);
+static inline vf v_loadh(const uint16_t *p) { return h2f(*p); }
 #endif
+
+/* float16 <-> float32 for KV cache entries (round to nearest even, as the hardware does). */
+#if defined(__F16C__)
+static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+static inline uint16_t f2h(float f) { return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+#else
+static inline float h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0 && mant == 0) {
+        bits = sign;
+    } else if (exp == 0) { /* subnormal: normalise */
+        int e = -1;
+        do {
+            e++;
+            mant <<= 1;
+        } while (!(mant & 0x400));
+        bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((mant & 0x3ff) << 13);
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+static inline uint16_t f2h(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000, fexp = (x >> 23) & 0xff;
+    uint32_t mant = x & 0x7fffff;
+    const int32_t exp = (int32_t)fexp - 127 + 15;
+    if (fexp == 0xff) return (uint16_t)(sign | 0x7c00 | (mant ? 0x200 : 0));
+    if (exp >= 31) return (uint16_t)(sign | 0x7c00);
+    if (exp <= 0) {
+        if (exp < -10) return (uint16_t)sign;
+        mant |= 0x800000;
+        const uint32_t shift = (uint32_t)(14 - exp), halfway = 1u << (shift - 1);
+        uint32_t h = mant >> shift;
+        const uint32_t rem = mant & ((1u << shift) - 1);
+        if (rem > halfway || (rem == halfway && (h & 1))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = sign | ((uint32_t)exp << 10) | (mant >> 13);
+    const uint32_t rem = mant & 0x1fff;
+    if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) h++;
+    return (uint16_t)h;
+}
+#endif
+
+/* Round-trip helpers for tests of the conversions. */
+void furnace_f32_to_f16(const float *src, int64_t n, uint16_t *dst) {
+    for (int64_t i = 0; i < n; i++) dst[i] = f2h(src[i]);
+}
+void furnace_f16_to_f32(const uint16_t *src, int64_t n, float *dst) {
+    for (int64_t i = 0; i < n; i++) dst[i] = h2f(src[i]);
+}
 
 int furnace_vector_width(void) { return VW; }
 
@@ -212,21 +276,31 @@ static float exp_shifted(float *sc, int64_t n, float shift) {
     return total;
 }
 
-static void attend_one(const float *qh, const float *k_cache, const float *v_cache,
-                       const int64_t *table, int64_t n, int64_t kvh, int64_t KV, int64_t D,
-                       int64_t group, int64_t block_size, float scale, float *scores, float *o) {
+/* A KV cache entry as floats: float32 caches, or float16 ones (half != 0). */
+static ALWAYS_INLINE vf kv_vec(const void *base, int64_t i, const int half) {
+    return half ? v_loadh((const uint16_t *)base + i) : v_load((const float *)base + i);
+}
+static ALWAYS_INLINE float kv_at(const void *base, int64_t i, const int half) {
+    return half ? h2f(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static ALWAYS_INLINE void attend_one(const float *qh, const void *k_cache, const void *v_cache,
+                                     const int64_t *table, int64_t n, int64_t kvh, int64_t KV,
+                                     int64_t D, int64_t group, int64_t block_size, float scale,
+                                     float *scores, float *o, const int half) {
     float mx[ATT_MAX_GROUP];
     for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
     const int64_t dv = D - D % VW;
     for (int64_t p = 0; p < n; p++) {
         const int64_t slot = table[p / block_size] * block_size + p % block_size;
-        const float *kp = k_cache + (slot * KV + kvh) * D;
+        const int64_t kp = (slot * KV + kvh) * D;
         for (int64_t g = 0; g < group; g++) {
             const float *qg = qh + g * D;
             vf acc = v_zero();
-            for (int64_t d = 0; d < dv; d += VW) acc = v_fma(v_load(qg + d), v_load(kp + d), acc);
+            for (int64_t d = 0; d < dv; d += VW)
+                acc = v_fma(v_load(qg + d), kv_vec(k_cache, kp + d, half), acc);
             float dot = v_sum(acc);
-            for (int64_t d = dv; d < D; d++) dot += qg[d] * kp[d];
+            for (int64_t d = dv; d < D; d++) dot += qg[d] * kv_at(k_cache, kp + d, half);
             dot *= scale;
             scores[g * n + p] = dot;
             if (dot > mx[g]) mx[g] = dot;
@@ -241,21 +315,23 @@ static void attend_one(const float *qh, const float *k_cache, const float *v_cac
     }
     for (int64_t p = 0; p < n; p++) {
         const int64_t slot = table[p / block_size] * block_size + p % block_size;
-        const float *vp = v_cache + (slot * KV + kvh) * D;
+        const int64_t vp = (slot * KV + kvh) * D;
         for (int64_t g = 0; g < group; g++) {
             const float wgt = scores[g * n + p];
             float *og = o + g * D;
             const vf wv = v_set1(wgt);
-            for (int64_t d = 0; d < dv; d += VW) v_store(og + d, v_fma(wv, v_load(vp + d), v_load(og + d)));
-            for (int64_t d = dv; d < D; d++) og[d] += wgt * vp[d];
+            for (int64_t d = 0; d < dv; d += VW)
+                v_store(og + d, v_fma(wv, kv_vec(v_cache, vp + d, half), v_load(og + d)));
+            for (int64_t d = dv; d < D; d++) og[d] += wgt * kv_at(v_cache, vp + d, half);
         }
     }
 }
 
-void furnace_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+/* kv_half: the caches hold float16 (else float32). */
+void furnace_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
                                     const int64_t *tables, int64_t max_blocks, const int64_t *ctx,
                                     int64_t S, int64_t H, int64_t KV, int64_t D,
-                                    int64_t block_size, float scale, float *out) {
+                                    int64_t block_size, float scale, float *out, int kv_half) {
     const int64_t group = H / KV;
     const int64_t tasks = S * KV;
 #pragma omp parallel if (tasks > 1)
@@ -275,9 +351,15 @@ void furnace_paged_decode_attention(const float *q, const float *k_cache, const 
                 }
                 scores = heap;
             }
-            attend_one(q + (s * H + kvh * group) * D, k_cache, v_cache, tables + s * max_blocks,
-                       n, kvh, KV, D, group, block_size, scale, scores,
-                       out + (s * H + kvh * group) * D);
+            const float *qh = q + (s * H + kvh * group) * D;
+            float *o = out + (s * H + kvh * group) * D;
+            const int64_t *table = tables + s * max_blocks;
+            if (kv_half)
+                attend_one(qh, k_cache, v_cache, table, n, kvh, KV, D, group, block_size, scale,
+                           scores, o, 1);
+            else
+                attend_one(qh, k_cache, v_cache, table, n, kvh, KV, D, group, block_size, scale,
+                           scores, o, 0);
         }
         free(heap);
     }
@@ -316,10 +398,11 @@ void furnace_add_rmsnorm(float *x, const float *h, int64_t M, int64_t D, const f
 /* Rotary embedding of queries and keys, and the step's keys and values stored in the cache.
  * qkv: [T, (H + 2 KV) D] (the fused projection); cos, sin: [T, D], where sin carries the
  * sign of rotate_half (negative first half); slots: [T] cache slot per token.
- * q_out: [T, H, D] and k_out: [T, KV, D] rotated; caches: [slots, KV, D]. */
+ * q_out: [T, H, D] and k_out: [T, KV, D] rotated; caches: [slots, KV, D], float16 when
+ * kv_half (rounded to nearest even), else float32. */
 void furnace_rope_store(const float *qkv, int64_t T, int64_t H, int64_t KV, int64_t D,
                         const float *cos_t, const float *sin_t, const int64_t *slots,
-                        float *k_cache, float *v_cache, float *q_out, float *k_out) {
+                        void *k_cache, void *v_cache, float *q_out, float *k_out, int kv_half) {
     const int64_t width = (H + 2 * KV) * D, half = D / 2;
 #pragma omp parallel for schedule(static) if (T * width >= PARALLEL_ELEMENTS)
     for (int64_t t = 0; t < T; t++) {
@@ -330,9 +413,15 @@ void furnace_rope_store(const float *qkv, int64_t T, int64_t H, int64_t KV, int6
             for (int64_t i = 0; i < half; i++) dst[i] = src[i] * c[i] + src[i + half] * s[i];
             for (int64_t i = half; i < D; i++) dst[i] = src[i] * c[i] + src[i - half] * s[i];
         }
-        float *kc = k_cache + slots[t] * KV * D, *vc = v_cache + slots[t] * KV * D;
-        memcpy(kc, k_out + t * KV * D, sizeof(float) * KV * D);
-        memcpy(vc, row + (H + KV) * D, sizeof(float) * KV * D);
+        const float *k = k_out + t * KV * D, *v = row + (H + KV) * D;
+        const int64_t at = slots[t] * KV * D;
+        if (kv_half) {
+            uint16_t *kc = (uint16_t *)k_cache + at, *vc = (uint16_t *)v_cache + at;
+            for (int64_t i = 0; i < KV * D; i++) kc[i] = f2h(k[i]), vc[i] = f2h(v[i]);
+        } else {
+            memcpy((float *)k_cache + at, k, sizeof(float) * KV * D);
+            memcpy((float *)v_cache + at, v, sizeof(float) * KV * D);
+        }
     }
 }
 
@@ -362,14 +451,14 @@ int furnace_layer_ptrs(void) { return LAYER_PTRS; }
 /* Every layer of a step whose S sequences each bring one token (no prefill), with the
  * int8 linear layers above: the same arithmetic as the per-op path, minus the Python and
  * dispatch cost between ops. x: [S, hidden] embeddings in, the residual stream after the
- * last layer out (before the final norm). cos/sin/slots/tables/ctx as for the per-op
- * kernels; scratch: at least S * (3 hidden + (H + 2 KV) D + (H + KV) D + H D + 3 I)
+ * last layer out (before the final norm). cos/sin/slots/tables/ctx/kv_half as for the
+ * per-op kernels; scratch: at least S * (3 hidden + (H + 2 KV) D + (H + KV) D + H D + 3 I)
  * floats. */
 void furnace_decode_layers(int64_t L, const int64_t *ptrs, int64_t S, int64_t hidden,
                            int64_t H, int64_t KV, int64_t D, int64_t I, float eps, float *x,
                            const float *cos_t, const float *sin_t, const int64_t *slots,
                            const int64_t *tables, int64_t max_blocks, const int64_t *ctx,
-                           int64_t block_size, float scale, float *scratch) {
+                           int64_t block_size, float scale, int kv_half, float *scratch) {
     const int64_t width = (H + 2 * KV) * D;
     float *normed = scratch;
     float *h = normed + S * hidden;
@@ -385,10 +474,10 @@ void furnace_decode_layers(int64_t L, const int64_t *ptrs, int64_t S, int64_t hi
                             normed);
         furnace_w8_linear(normed, S, hidden, PTR(const int8_t *, P_QKV_W),
                           PTR(const float *, P_QKV_S), PTR(const float *, P_QKV_B), width, qkv);
-        float *kc = PTR(float *, P_K_CACHE), *vc = PTR(float *, P_V_CACHE);
-        furnace_rope_store(qkv, S, H, KV, D, cos_t, sin_t, slots, kc, vc, q, k);
+        void *kc = PTR(void *, P_K_CACHE), *vc = PTR(void *, P_V_CACHE);
+        furnace_rope_store(qkv, S, H, KV, D, cos_t, sin_t, slots, kc, vc, q, k, kv_half);
         furnace_paged_decode_attention(q, kc, vc, tables, max_blocks, ctx, S, H, KV, D,
-                                       block_size, scale, att);
+                                       block_size, scale, att, kv_half);
         furnace_w8_linear(att, S, H * D, PTR(const int8_t *, P_O_W), PTR(const float *, P_O_S),
                           PTR(const float *, P_O_B), hidden, h);
         furnace_add_rmsnorm(x, h, S, hidden, PTR(const float *, P_POST_NORM), eps, normed);

@@ -313,8 +313,8 @@ class Attention(nn.Module):
                 keys, values = k[lo:hi], v[lo:hi]
             else:
                 blocks = inputs.block_tables[b, : -(-ctx // block_size)]
-                keys = k_cache[blocks].flatten(0, 1)[:ctx]
-                values = v_cache[blocks].flatten(0, 1)[:ctx]
+                keys = k_cache[blocks].flatten(0, 1)[:ctx].to(q.dtype)
+                values = v_cache[blocks].flatten(0, 1)[:ctx].to(q.dtype)
                 mask = inputs.chunk_masks.get(b)
                 if mask is None:
                     mask = chunk_mask(qlen, past, q.dtype, q.device)
@@ -359,7 +359,7 @@ class Attention(nn.Module):
         if d is None:
             return
         n = d.tables.shape[0]
-        if self.kernels is not None and k_cache.dtype == torch.float32:
+        if self.kernels is not None and k_cache.dtype in (torch.float32, torch.float16):
             qd = (q if d.flat_rows is None else q[d.flat_rows]).contiguous()
             target = out if d.flat_rows is None else torch.empty_like(qd)
             self.kernels.paged_decode_attention(
@@ -369,8 +369,8 @@ class Attention(nn.Module):
                 out[d.flat_rows] = target
             return
         group = self.num_heads // self.num_kv_heads
-        keys = k_cache[d.tables].flatten(1, 2)[:, : d.max_ctx]  # [n, ctx, KV, D]
-        values = v_cache[d.tables].flatten(1, 2)[:, : d.max_ctx]
+        keys = k_cache[d.tables].flatten(1, 2)[:, : d.max_ctx].to(q.dtype)  # [n, ctx, KV, D]
+        values = v_cache[d.tables].flatten(1, 2)[:, : d.max_ctx].to(q.dtype)
         qd = q if d.flat_rows is None else q[d.flat_rows]
         o = F.scaled_dot_product_attention(
             qd.reshape(n, self.num_kv_heads, group, self.head_dim),
@@ -553,6 +553,7 @@ class Transformer(nn.Module):
             inputs.decode_context_lens,
             cache.block_size,
             scale,
+            cache.k.dtype == torch.float16,
         )
         return self.lm_head(self.norm(x[inputs.logit_rows])).float()
 

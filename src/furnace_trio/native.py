@@ -51,12 +51,13 @@ class Kernels:
         self._linear.restype = None
         self._attention = lib.furnace_paged_decode_attention
         self._attention.argtypes = [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P]
+        self._attention.argtypes += [ctypes.c_int]
         self._attention.restype = None
         self._add_rmsnorm = lib.furnace_add_rmsnorm
         self._add_rmsnorm.argtypes = [_P, _P, _I, _I, _P, ctypes.c_float, _P]
         self._add_rmsnorm.restype = None
         self._rope_store = lib.furnace_rope_store
-        self._rope_store.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P]
+        self._rope_store.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int]
         self._rope_store.restype = None
         self._silu_mul = lib.furnace_silu_mul
         self._silu_mul.argtypes = [_P, _I, _I, _P]
@@ -64,7 +65,12 @@ class Kernels:
         self.layer_ptrs = int(lib.furnace_layer_ptrs())
         self._decode_layers = lib.furnace_decode_layers
         self._decode_layers.argtypes = [_I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P]
-        self._decode_layers.argtypes += [_P, _P, _P, _P, _I, _P, _I, ctypes.c_float, _P]
+        self._decode_layers.argtypes += [_P, _P, _P, _P, _I, _P, _I, ctypes.c_float, ctypes.c_int]
+        self._decode_layers.argtypes += [_P]
+        self._f32_to_f16 = lib.furnace_f32_to_f16
+        self._f32_to_f16.argtypes = [_P, _I, _P]
+        self._f16_to_f32 = lib.furnace_f16_to_f32
+        self._f16_to_f32.argtypes = [_P, _I, _P]
         self._decode_layers.restype = None
 
     def pack_w8(self, q: torch.Tensor) -> torch.Tensor:
@@ -115,10 +121,10 @@ class Kernels:
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        """One query token per sequence over its paged keys; all float32 contiguous.
+        """One query token per sequence over its paged keys; all contiguous.
 
-        ``q``/``out`` ``[S, H, D]``, caches ``[blocks, block_size, KV, D]``, ``tables``
-        ``[S, max_blocks]`` and ``context_lens`` ``[S]`` int64.
+        ``q``/``out`` ``[S, H, D]`` float32, caches ``[blocks, block_size, KV, D]`` float32
+        or float16, ``tables`` ``[S, max_blocks]`` and ``context_lens`` ``[S]`` int64.
         """
         s, h, d = q.shape
         _, block_size, kv, _ = k_cache.shape
@@ -136,6 +142,7 @@ class Kernels:
             block_size,
             scale,
             out.data_ptr(),
+            _kv_half(k_cache),
         )
 
     def add_rmsnorm(
@@ -179,6 +186,7 @@ class Kernels:
             v_cache.data_ptr(),
             q_out.data_ptr(),
             k_out.data_ptr(),
+            _kv_half(k_cache),
         )
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
@@ -198,10 +206,12 @@ class Kernels:
         context_lens: torch.Tensor,
         block_size: int,
         scale: float,
+        kv_half: bool,
     ) -> None:
         """Every layer of an all-decode step in one call (``furnace_decode_layers``).
 
-        ``layer_ptrs``: int64 ``[layers * self.layer_ptrs]`` weight and cache addresses;
+        ``layer_ptrs``: int64 ``[layers * self.layer_ptrs]`` weight and cache addresses
+        (caches float16 when ``kv_half``, else float32);
         ``x`` ``[S, hidden]`` is updated in place to the residual stream after the last layer.
         """
         s = x.shape[0]
@@ -225,8 +235,20 @@ class Kernels:
             context_lens.data_ptr(),
             block_size,
             scale,
+            kv_half,
             scratch.data_ptr(),
         )
+
+    def f32_to_f16(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernels' float32 -> float16 rounding (tests compare it with torch's)."""
+        out = torch.empty(x.shape, dtype=torch.float16)
+        self._f32_to_f16(x.data_ptr(), x.numel(), out.data_ptr())
+        return out
+
+    def f16_to_f32(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape, dtype=torch.float32)
+        self._f16_to_f32(x.data_ptr(), x.numel(), out.data_ptr())
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +267,12 @@ class DecodeDims:
         qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
         attention = 2 * self.heads * self.head_dim + self.kv_heads * self.head_dim
         return 2 * self.hidden + qkv + attention + 3 * self.intermediate
+
+
+def _kv_half(cache: torch.Tensor) -> int:
+    if cache.dtype not in (torch.float32, torch.float16):
+        raise TypeError(f"native kernels take float32 or float16 KV caches, not {cache.dtype}")
+    return int(cache.dtype == torch.float16)
 
 
 def cache_dir() -> Path:
