@@ -25,8 +25,9 @@ and :meth:`Engine.abort`, which run on the same Trio thread, so there are no loc
 - Watchdog: a step that runs past ``step_timeout_s`` kills the engine the same way. A
   thread cannot be killed, so the engine abandons the step (under a shielded scope whose
   own deadline is the watchdog: nothing else can cancel a step) and the thread finishes
-  whenever it finishes; no other step ever starts, because the engine is dead. Every :class:`Failed` carries a :class:`FailureCause`, so the HTTP layer can
-  tell "the model failed on this request" (500) from "the server cannot serve" (503).
+  whenever it finishes; no other step ever starts, because the engine is dead. Every
+  :class:`Failed` carries a :class:`FailureCause`, so the HTTP layer can tell "the model
+  failed on this request" (500) from "the server cannot serve" (503).
 - Drain: :meth:`Engine.drain` stops admitting but lets every accepted request (running or
   queued) finish; :meth:`Engine.cancel_all` then fails whatever is left, and :meth:`run`
   returns once nothing is left.

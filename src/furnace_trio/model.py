@@ -221,7 +221,8 @@ class Attention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        # The native decode-attention kernel (float32 CPU caches), set by Transformer.use_native.
+        # The native decode-attention kernel (float32 or float16 CPU caches), set by
+        # Transformer.use_native.
         self.kernels: native.Kernels | None = None
         names = [f"{prefix}.self_attn.{p}_proj" for p in ("q", "k", "v")]
         qkv = torch.cat([weights.pop(f"{n}.weight") for n in names])
@@ -275,7 +276,7 @@ class Attention(nn.Module):
         kernels: native.Kernels,
     ) -> torch.Tensor:
         """:meth:`forward` with the rotary embedding and the cache writes in one native call
-        (float32 CPU caches, no q/k norm); ``cos``/``sin`` are ``[T, D]``."""
+        (float32 or float16 CPU caches, no q/k norm); ``cos``/``sin`` are ``[T, D]``."""
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         q = torch.empty((tokens, self.num_heads, self.head_dim))
@@ -451,8 +452,9 @@ class Transformer(nn.Module):
         # All-decode steps through every layer in one native call (tests turn it off to
         # compare with the per-op path).
         self.fused_decode = True
-        # Weight and cache addresses for furnace_decode_layers: (cache, pointers).
-        self._layer_ptrs: tuple[KVCache, torch.Tensor] | None = None
+        # Weight and cache addresses for furnace_decode_layers: (cache, pointers), pointers
+        # None when the linears are not native int8 ones (remembered: asked every step).
+        self._layer_ptrs: tuple[KVCache, torch.Tensor | None] | None = None
 
     def use_native(self, kernels: native.Kernels | None) -> None:
         """Run float32 CPU steps with the native kernels (``None``: torch only).
@@ -470,11 +472,10 @@ class Transformer(nn.Module):
 
     def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
         """Run one step; return float32 logits ``[len(logit_rows), vocab]``."""
-        native_path = self.kernels is not None and self.embed_tokens.device.type == "cpu"
+        kernels = self.kernels  # set only for float32 CPU runners (use_native)
         all_decodes = len(inputs.decode_rows) == len(inputs.context_lens)
-        if native_path and all_decodes and self.fused_decode:
-            assert self.kernels is not None
-            logits = self._forward_fused_decode(inputs, cache, self.kernels)
+        if kernels is not None and all_decodes and self.fused_decode:
+            logits = self._forward_fused_decode(inputs, cache, kernels)
             if logits is not None:
                 return logits
         if inputs.decode is None and inputs.decode_rows:
@@ -483,16 +484,11 @@ class Transformer(nn.Module):
             )
         if not inputs.chunk_masks:
             inputs = dataclasses.replace(inputs, chunk_masks=self._chunk_masks(inputs))
-        if native_path:
-            assert self.kernels is not None
-            return self._forward_native(inputs, cache, self.kernels)
+        if kernels is not None:
+            return self._forward_native(inputs, cache, kernels)
         x = F.embedding(inputs.input_ids, self.embed_tokens)
-        freqs = inputs.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(x.dtype)[:, None, :]
-        # rotate_half's sign folded in: the first half of the rolled vector is negated.
-        sin_half = freqs.sin()
-        sin = torch.cat((-sin_half, sin_half), dim=-1).to(x.dtype)[:, None, :]
+        cos, sin = self._rotary(inputs.positions)
+        cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
         for i, module in enumerate(self.layers):
             layer = cast(DecoderLayer, module)
             h = layer.self_attn(layer.input_layernorm(x), cos, sin, cache.k[i], cache.v[i], inputs)
@@ -579,6 +575,7 @@ class Transformer(nn.Module):
             )
             for linear in linears:
                 if not isinstance(linear, NativeInt8Linear):
+                    self._layer_ptrs = (cache, None)
                     return None
                 bias = 0 if linear.bias is None else linear.bias.data_ptr()
                 rows += [linear.packed.data_ptr(), linear.scale.data_ptr(), bias]
