@@ -14,6 +14,7 @@ after torch, so ``libgomp.so.1`` resolves to the copy torch already loaded).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -283,6 +284,7 @@ def cache_dir() -> Path:
     return Path(base) / "furnace-trio"
 
 
+@functools.cache
 def _cpu_identity() -> str:
     """What ``-march=native`` depends on: the CPU model and its feature flags."""
     try:
@@ -295,6 +297,17 @@ def _cpu_identity() -> str:
 
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    """``cc --version`` (part of the build key), asked once per process and compiler."""
+    try:
+        return subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
@@ -329,14 +342,8 @@ def load(extra_flags: tuple[str, ...] = ()) -> Kernels | None:
         logger.warning("native kernels: no C compiler (set CC); using torch kernels")
         return None
     source = SOURCE.read_bytes()
-    try:
-        version = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=30
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = ""
     flags = (*FLAGS, *extra_flags)
-    parts = [compiler, version, " ".join(flags), _cpu_identity()]
+    parts = [compiler, _compiler_version(compiler), " ".join(flags), _cpu_identity()]
     key = hashlib.blake2b(
         b"\0".join([source, *(p.encode() for p in parts)]), digest_size=12
     ).hexdigest()
