@@ -50,14 +50,14 @@ def serve(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Engine-level and HTTP speed against transformers, and int8 quality (about 10 minutes).
+    """Engine-level and HTTP speed against transformers, and q4 / int8 quality (about 15 minutes).
 
     ``nox -s bench -- --quick`` is a smoke run of the two speed benchmarks.
     """
     _install(session, "test")
     session.chdir("benchmarks")
     session.run("python", "bench_engine.py", *session.posargs)
-    session.run("python", "bench_http.py", "--quant", "int8", *session.posargs)
+    session.run("python", "bench_http.py", "--quant", "q4,int8", *session.posargs)
     if "--quick" not in session.posargs:
         session.run("python", "bench_quality.py")
 

@@ -1,4 +1,4 @@
-"""Engine-level speed (Engine + ModelRunner, no HTTP), float32 and int8, against transformers.
+"""Engine-level speed (Engine + ModelRunner, no HTTP), float32, int8 and q4, against transformers.
 
 Workloads, each in a closed loop (every stream sends its next request as soon as the last
 one finishes) with fixed ``max_tokens`` and ``ignore_eos``: 1, 4, 16 and 32 concurrent
@@ -148,8 +148,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
     parser.add_argument(
         "--quant",
-        default="none,int8,int8-torch",
-        help="comma-separated runtimes: none, int8, and none-torch / int8-torch without "
+        default="q4,int8,none,int8-torch",
+        help="comma-separated runtimes: q4, int8, none, and none-torch / int8-torch without "
         "the native kernels",
     )
     args = parser.parse_args()

@@ -6,7 +6,7 @@ streaming chat completions (greedy, ``ignore_eos``, fixed ``max_tokens``): time 
 token p50/p95 (first content chunk), inter-token latency p50/p95, aggregate completion
 tok/s (from ``usage``), and prefill tok/s of a 1,000-token prompt (its time to first token).
 
-    python benchmarks/bench_http.py [--quick] [--quant int8,none,int8-torch]
+    python benchmarks/bench_http.py [--quick] [--quant q4,int8,none,int8-torch]
 
 ``-torch`` runtimes run without the native kernels (``FURNACE_NATIVE=0``).
 
@@ -150,7 +150,7 @@ def wait_ready(base_url: str, proc: subprocess.Popen[bytes], timeout: float = 30
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--quant", default="int8,none,int8-torch")
+    parser.add_argument("--quant", default="q4,int8,none,int8-torch")
     args = parser.parse_args()
     max_tokens = 16 if args.quick else 64
     workloads = [(1, 1), (4, 1)] if args.quick else [(1, 3), (4, 2), (16, 3), (32, 2)]

@@ -1,20 +1,23 @@
-"""Quality and batch invariance of the int8 runtime against float32 (runner level, greedy).
+"""Quality and batch invariance of the quantized runtimes against float32 (runner level, greedy).
 
-- Token agreement: 20 chat prompts x 64 greedy tokens, int8 vs float32: free-running (the
-  share of positions before the first divergence; sequences drift apart after it), and
-  teacher-forced (int8's top-1 on float32's greedy continuation, position by position).
+- Token agreement: 20 chat prompts x 64 greedy tokens, each quantized runtime vs float32:
+  free-running (the share of positions before the first divergence; sequences drift apart
+  after it), and teacher-forced (its top-1 on float32's greedy continuation, position by
+  position).
 - Batch invariance: each prompt decoded alone vs inside a batch of all 20 (prefilled in one
   step, then decoded together): the share of prompts whose 64 tokens differ, per runtime.
-- Perplexity of both runtimes on ``tests/data/perplexity.txt``.
+- Perplexity of every runtime on ``tests/data/perplexity.txt``.
 
-``int8`` is the native weight-only kernel; ``int8-torch`` (fbgemm, int8 activations in two
-7-bit passes) is measured too, for batch invariance and perplexity.
+``q4`` is the 4-bit native kernel (the default model's own Q4_1 weights, int8 activations
+per group of 32), ``int8`` the native weight-only kernel, ``int8-torch`` the fbgemm path
+(int8 activations in two 7-bit passes).
 
-    python benchmarks/bench_quality.py
+    python benchmarks/bench_quality.py [--runtimes none,q4,int8,int8-torch]
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 from pathlib import Path
 
@@ -54,6 +57,10 @@ def perplexity(runner: ModelRunner, ids: list[int]) -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runtimes", default="none,q4,int8,int8-torch")
+    args = ap.parse_args()
+    quants = ["none", *(q for q in args.runtimes.split(",") if q != "none")]
     print(f"machine: {machine()}")
     loaded = load_model(None)
     prompts = [chat_ids(loaded, p) for p in PROMPTS]
@@ -61,7 +68,7 @@ def main() -> None:
     alone: dict[str, list[list[int]]] = {}
     runners: dict[str, ModelRunner] = {}
     # "int8-torch": the fbgemm int8 path used without the native kernels, for comparison.
-    for quant in ("none", "int8", "int8-torch"):
+    for quant in quants:
         name, _, kernels = quant.partition("-")
         settings = RunnerConfig(
             device="cpu", kv_cache_bytes=256 << 20, quantization=name, native=kernels != "torch"
@@ -76,19 +83,26 @@ def main() -> None:
             f"a batch of {len(prompts)}; perplexity {perplexity(runner, text_ids):.3f} "
             f"({len(text_ids)} tokens)"
         )
+    for quant in quants[1:]:
+        agreement(quant, prompts, alone, runners[quant])
+
+
+def agreement(
+    quant: str, prompts: list[list[int]], alone: dict[str, list[list[int]]], runner: ModelRunner
+) -> None:
     same = prefix = total = 0
-    for f, q in zip(alone["none"], alone["int8"], strict=True):
+    for f, q in zip(alone["none"], alone[quant], strict=True):
         same += sum(a == b for a, b in zip(f, q, strict=True))
         first = next((i for i, (a, b) in enumerate(zip(f, q, strict=True)) if a != b), len(f))
         prefix += first
         total += len(f)
-    identical = sum(f == q for f, q in zip(alone["none"], alone["int8"], strict=True))
+    identical = sum(f == q for f, q in zip(alone["none"], alone[quant], strict=True))
     forced = 0
     for p, f in zip(prompts, alone["none"], strict=True):
-        logits = runners["int8"].prompt_logits(p + f[:-1])[len(p) - 1 :]
+        logits = runner.prompt_logits(p + f[:-1])[len(p) - 1 :]
         forced += sum(int(a) == b for a, b in zip(logits.argmax(-1).tolist(), f, strict=True))
     print(
-        f"int8 vs float32 over {len(prompts)} prompts x {STEPS} greedy tokens: teacher-forced "
+        f"{quant} vs float32 over {len(prompts)} prompts x {STEPS} greedy tokens: teacher-forced "
         f"top-1 agreement {forced / total:.1%}; free-running {prefix / total:.1%} of positions "
         f"before the first divergence ({same / total:.1%} equal anywhere), "
         f"{identical}/{len(prompts)} sequences identical"

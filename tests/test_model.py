@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from furnace_trio.hf_loader import load_hf_directory
 from furnace_trio.plan import ChunkPlan, StepPlan
+from furnace_trio.quant import NativeQ4Linear, dequantize_q4, quantize_q4
 from furnace_trio.runner import ModelRunner, RunnerConfig
 
 from ._model_fixtures import write_tiny_model
@@ -154,6 +155,19 @@ def test_plan_with_short_block_table_is_refused(
         runner.logits(StepPlan((ChunkPlan(1, tuple(range(9)), 0, (0, 1)),)))
 
 
+def _ragged_decode(vocab: int) -> tuple[list[list[int]], StepPlan, StepPlan]:
+    """Three sequences of 6, 13 and 2 tokens: a prefill step of all but each one's last
+    token, and the decode step of those last tokens (ragged contexts)."""
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (6, 13, 2)]
+    tables = [_table(16 * i) for i in range(len(seqs))]
+    prompts = StepPlan(tuple(ChunkPlan(i, tuple(s[:-1]), 0, tables[i]) for i, s in enumerate(seqs)))
+    decodes = StepPlan(
+        tuple(ChunkPlan(i, (s[-1],), len(s) - 1, tables[i]) for i, s in enumerate(seqs))
+    )
+    return seqs, prompts, decodes
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_int8_fused_decode_equals_per_op_path(tmp_path: Path, arch: str) -> None:
     """All-decode int8 steps run every layer in one native call; the per-op path (the same
@@ -163,14 +177,7 @@ def test_int8_fused_decode_equals_per_op_path(tmp_path: Path, arch: str) -> None
     runner = _runner(path, quantization="int8")
     assert runner.model.kernels is not None
     assert runner.cache.k.dtype == torch.float16  # int8 with native kernels: half the KV bytes
-    vocab = runner.config.vocab_size
-    gen = torch.Generator().manual_seed(5)
-    seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (6, 13, 2)]
-    tables = [_table(16 * i) for i in range(len(seqs))]
-    prompts = StepPlan(tuple(ChunkPlan(i, tuple(s[:-1]), 0, tables[i]) for i, s in enumerate(seqs)))
-    decodes = StepPlan(
-        tuple(ChunkPlan(i, (s[-1],), len(s) - 1, tables[i]) for i, s in enumerate(seqs))
-    )
+    seqs, prompts, decodes = _ragged_decode(runner.config.vocab_size)
     runner.logits(prompts)
     assert runner.model._decode_layer_ptrs(runner.cache, runner.model.kernels) is not None
     fused = runner.logits(decodes)
@@ -179,6 +186,47 @@ def test_int8_fused_decode_equals_per_op_path(tmp_path: Path, arch: str) -> None
     assert torch.equal(fused, per_op)
     ref = _ref_logits(_reference(path), seqs[1])[-1]
     assert float((fused[1] - ref).norm() / ref.norm()) < 0.02
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_q4_fused_decode_equals_per_op_path(tmp_path: Path, arch: str) -> None:
+    """The 4-bit runtime on weights already on the 4-bit grid (as a Q4_1 file's): ``auto``
+    turns every layer's linears into 4-bit ones, losslessly; the fused all-decode step equals
+    the per-op path bitwise and stays close to the float runtime on the same weights (only
+    activations are rounded, 8 bits per group of 32). qwen3 has q/k norms: per-op only."""
+    path = write_tiny_model(tmp_path, arch, tied=False, rope_llama3=False)
+    config, weights = load_hf_directory(path)
+    grid = {
+        name: dequantize_q4(*quantize_q4(w)) if w.dim() == 2 and "layers." in name else w
+        for name, w in weights.items()
+    }
+
+    def make(quantization: str) -> ModelRunner:
+        settings = RunnerConfig(
+            device="cpu", kv_cache_bytes=1 << 22, block_size=BLOCK, quantization=quantization
+        )
+        return ModelRunner(config, dict(grid), settings)
+
+    runner, reference = make("auto"), make("none")
+    assert runner.quantization == "q4"
+    layer_kinds = {
+        type(m).__name__ for n, m in runner.model.named_modules() if "layers." in n and "proj" in n
+    }
+    assert layer_kinds == {NativeQ4Linear.__name__}
+    _, prompts, decodes = _ragged_decode(config.vocab_size)
+    runner.logits(prompts)
+    reference.logits(prompts)
+    kernels = runner.model.kernels
+    if arch == "qwen3":
+        assert kernels is None  # q/k norms: torch ops around the native linears
+    else:
+        assert kernels is not None
+        assert runner.model._decode_layer_ptrs(runner.cache, kernels) is not None
+    fused = runner.logits(decodes)
+    runner.model.fused_decode = False
+    assert torch.equal(fused, runner.logits(decodes))
+    want = reference.logits(decodes)
+    assert float((fused - want).norm() / want.norm()) < 0.03
 
 
 def test_kv_dtype_follows_the_runtime(tmp_path: Path) -> None:

@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from furnace_trio import native
-from furnace_trio.quant import NativeInt8Linear, quantize_weight
+from furnace_trio.quant import (
+    NativeInt8Linear,
+    NativeQ4Linear,
+    dequantize_q4,
+    quantize_q4,
+    quantize_weight,
+)
 
 # The kernels for this CPU, and the narrower builds a CPU without AVX-512 (or without AVX2)
 # gets: every kernel test runs on each build this machine can execute.
@@ -258,3 +264,96 @@ def test_silu_mul(kernels: native.Kernels) -> None:
     out = torch.empty(3, 50)
     kernels.silu_mul(gate_up, out)
     torch.testing.assert_close(out, F.silu(gate_up[:, :50]) * gate_up[:, 50:])
+
+
+def _q8_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation rounding, in torch: per row and group of ``group``, codes
+    ``round(x * 127 / max|x|)`` times ``max|x| / 127`` (float32, as the kernel computes),
+    and the group sums of the exact ``x``."""
+    m, k = x.shape
+    g = x.reshape(m, k // group, group)
+    amax = g.abs().amax(dim=2, keepdim=True)
+    codes = torch.round(g * (127.0 / amax)).nan_to_num(0.0)
+    return (codes * (amax / 127.0)).reshape(m, k), g.sum(dim=2)
+
+
+def _q4_reference(
+    x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``sum_g d s (q . a) + m sum(x)``: the dequantized weights against the rounded
+    activations, with the minimum's term on the exact group sums (as the kernel does)."""
+    rounded, sums = _q8_activations(x, 32)
+    scaled = (q.double().reshape(q.shape[0], -1, 32) * d.double()[..., None]).reshape(q.shape)
+    y = rounded.double() @ scaled.T + sums.double() @ m.double().T
+    return (y if bias is None else y + bias.double()).float()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (7, 32), (1000, 576)])
+def test_q4_linear_matches_reference(
+    kernels: native.Kernels, rows: int, out_features: int, in_features: int
+) -> None:
+    torch.manual_seed(rows * out_features + in_features)
+    q, d, m = quantize_q4(torch.randn(out_features, in_features))
+    packed = kernels.pack_q4(q, d, m)
+    x = (
+        torch.randn(rows, in_features)
+        * torch.logspace(-2, 2, in_features)[torch.randperm(in_features)]
+    )
+    for bias in (None, torch.randn(out_features)):
+        out = torch.empty(rows, out_features)
+        kernels.q4_linear(x, packed, bias, out)
+        want = _q4_reference(x, q, d, m, bias)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
+
+
+def test_q4_linear_zero_groups_and_rows(kernels: native.Kernels) -> None:
+    """All-zero activation groups (scale 0) contribute nothing; a zero row gives the bias."""
+    torch.manual_seed(3)
+    q, d, m = quantize_q4(torch.randn(70, 96))
+    x = torch.randn(3, 96)
+    x[0] = 0.0
+    x[1, 32:64] = 0.0
+    bias = torch.randn(70)
+    out = torch.empty(3, 70)
+    kernels.q4_linear(x, kernels.pack_q4(q, d, m), bias, out)
+    assert torch.equal(out[0], bias)
+    torch.testing.assert_close(out, _q4_reference(x, q, d, m, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_q4_linear_rows_are_batch_invariant(kernels: native.Kernels) -> None:
+    """A row's output is bitwise the same alone and at any place in any batch: its
+    activation codes, scales and sums come from the row alone."""
+    torch.manual_seed(0)
+    q, d, m = quantize_q4(torch.randn(1030, 576))
+    packed = kernels.pack_q4(q, d, m)
+    x = torch.randn(1, 576)
+    alone = torch.empty(1, 1030)
+    kernels.q4_linear(x, packed, None, alone)
+    for neighbours in (1, 2, 3, 4, 6, 7, 15, 31):
+        others = torch.randn(neighbours, 576) * torch.logspace(-3, 3, neighbours)[:, None]
+        for at in (0, neighbours // 2, neighbours):
+            batch = torch.cat([others[:at], x, others[at:]])
+            out = torch.empty(len(batch), 1030)
+            kernels.q4_linear(batch, packed, None, out)
+            assert torch.equal(out[at], alone[0]), (neighbours, at)
+
+
+def test_q4_packing_refuses_ragged_groups(kernels: native.Kernels) -> None:
+    q, d, m = quantize_q4(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="divisible by 32"):
+        kernels.pack_q4(q[:, :40], d, m)
+
+
+def test_native_q4_linear_layer(kernels: native.Kernels) -> None:
+    torch.manual_seed(1)
+    w = dequantize_q4(*quantize_q4(torch.randn(300, 192) * 0.05))  # already on the 4-bit grid
+    b = torch.randn(300)
+    layer = NativeQ4Linear(w, b, kernels)
+    for rows in (1, 9, 70):
+        x = torch.randn(2, rows, 192)
+        got = layer(x)
+        assert got.shape == (2, rows, 300)
+        # only the activations are rounded (8 bits per group of 32): close to the float layer
+        rel = float((got - F.linear(x, w, b)).norm() / F.linear(x, w, b).norm())
+        assert rel < 0.01

@@ -1,10 +1,10 @@
-"""The int8 linear layer (furnace_trio.quant) and the int8 runtime on the default model.
+"""The int8 and 4-bit linear layers (furnace_trio.quant) and both runtimes on the default model.
 
 Tolerances: int8 weights (per output channel) times activations split into two 7-bit
 passes (about 14 bits, per row) stay well within the asserted 3% relative error. Batch invariance is
 claimed bitwise for the layer (per-row scales, exact int32 accumulation), so it is tested
-with ``torch.equal``. Quality on the real model: int8 perplexity within 2% of float32's on
-the fixed text in ``tests/data/perplexity.txt``.
+with ``torch.equal``. Quality on the real model: int8 and q4 perplexity within 2% of
+float32's on the fixed text in ``tests/data/perplexity.txt``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,17 @@ import torch
 import torch.nn.functional as F
 
 from furnace_trio.loader import LoadedModel
-from furnace_trio.quant import Int8Linear, quantize_weight, resolve_quantization
+from furnace_trio.model import Linear
+from furnace_trio.quant import (
+    Int8Linear,
+    NativeInt8Linear,
+    NativeQ4Linear,
+    dequantize_q4,
+    quantize_linears,
+    quantize_q4,
+    quantize_weight,
+    resolve_quantization,
+)
 from furnace_trio.runner import ModelRunner, RunnerConfig
 
 DATA = Path(__file__).parent / "data" / "perplexity.txt"
@@ -72,9 +82,75 @@ def test_int8_linear_rows_are_batch_invariant() -> None:
 def test_resolve_quantization() -> None:
     assert resolve_quantization("none", torch.device("cpu")) == "none"
     assert resolve_quantization("int8", torch.device("cpu")) == "int8"
+    assert resolve_quantization("q4", torch.device("cpu")) == "q4"
+    assert resolve_quantization("auto", torch.device("cpu")) == "auto"
     assert resolve_quantization("auto", torch.device("cuda")) == "none"
     with pytest.raises(ValueError, match="unsupported quantization"):
         resolve_quantization("int4", torch.device("cpu"))
+
+
+def test_quantize_q4_round_trip() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(40, 96)
+    q, d, m = quantize_q4(w)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15
+    assert d.dtype == m.dtype == torch.float16 and d.shape == m.shape == (40, 3)
+    back = dequantize_q4(q, d, m)
+    step = d.float().repeat_interleave(32, dim=1)
+    assert bool(((back - w).abs() <= step / 2 + 1e-3).all())
+    # weights already on a 4-bit grid (what a Q4_1 file holds) come back exactly
+    assert torch.equal(dequantize_q4(*quantize_q4(back)), back)
+
+
+def _layers() -> torch.nn.Module:
+    torch.manual_seed(2)
+    grid = dequantize_q4(*quantize_q4(torch.randn(48, 64)))
+    module = torch.nn.Module()
+    module.on_grid = Linear(grid.clone(), None)
+    module.off_grid = Linear(torch.randn(48, 64), torch.randn(48))
+    module.ragged = Linear(torch.randn(48, 40), None)  # 40 inputs: not whole groups of 32
+    module.lm_head = Linear(torch.randn(100, 64), None)
+    return module
+
+
+def test_quantize_linears_picks_formats() -> None:
+    from furnace_trio import native
+
+    kernels = native.load()
+    assert kernels is not None
+    kinds = {}
+    for four_bit in ("never", "lossless", "always"):
+        module = _layers()
+        counts = quantize_linears(module, Linear, kernels, four_bit)
+        kinds[four_bit] = {n: type(c).__name__ for n, c in module.named_children()}
+        assert sum(counts.values()) == 4
+    assert set(kinds["never"].values()) == {NativeInt8Linear.__name__}
+    assert kinds["lossless"] == {
+        "on_grid": NativeQ4Linear.__name__,
+        "off_grid": NativeInt8Linear.__name__,
+        "ragged": NativeInt8Linear.__name__,
+        "lm_head": NativeInt8Linear.__name__,
+    }
+    # always: every layer with whole groups, but the LM head stays int8
+    assert kinds["always"]["off_grid"] == NativeQ4Linear.__name__
+    assert kinds["always"]["ragged"] == kinds["always"]["lm_head"] == NativeInt8Linear.__name__
+    # without kernels: the fbgemm int8 layer whatever is asked
+    module = _layers()
+    assert quantize_linears(module, Linear, None, "always") == {"q4": 0, "int8": 4}
+    assert all(isinstance(c, Int8Linear) for c in module.children())
+
+
+def test_auto_keeps_the_default_models_4_bit_weights(loaded: LoadedModel) -> None:
+    """The default GGUF stores every layer's linears in Q4_1: ``auto`` runs them as the
+    file's own 4-bit weights (lossless), and the Q8_0 LM head as int8."""
+    runner = ModelRunner.from_loaded(
+        loaded, RunnerConfig(device="cpu", kv_cache_bytes=16 << 20, quantization="auto")
+    )
+    assert runner.quantization == "q4"
+    kinds = {type(m).__name__ for name, m in runner.model.named_modules() if "layers." in name}
+    assert NativeQ4Linear.__name__ in kinds and NativeInt8Linear.__name__ not in kinds
+    assert isinstance(runner.model.lm_head, NativeInt8Linear)
+    assert runner.cache.k.dtype == torch.float16
 
 
 def _perplexity(runner: ModelRunner, ids: list[int]) -> float:
@@ -83,11 +159,11 @@ def _perplexity(runner: ModelRunner, ids: list[int]) -> float:
     return math.exp(float(nll))
 
 
-def test_int8_perplexity_within_two_percent(loaded: LoadedModel) -> None:
+def test_quantized_perplexity_within_two_percent(loaded: LoadedModel) -> None:
     ids = loaded.tokenizer.encode(DATA.read_text(), add_special_tokens=False)
     assert len(ids) > 400
     ppl = {}
-    for quant in ("none", "int8"):
+    for quant in ("none", "int8", "q4"):
         runner = ModelRunner.from_loaded(
             loaded, RunnerConfig(device="cpu", kv_cache_bytes=64 << 20, quantization=quant)
         )
@@ -95,3 +171,4 @@ def test_int8_perplexity_within_two_percent(loaded: LoadedModel) -> None:
         ppl[quant] = _perplexity(runner, ids)
     assert ppl["none"] < 30  # the float reference itself is sane on plain English
     assert abs(ppl["int8"] - ppl["none"]) / ppl["none"] < 0.02, ppl
+    assert abs(ppl["q4"] - ppl["none"]) / ppl["none"] < 0.02, ppl

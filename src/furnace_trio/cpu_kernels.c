@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define VW 16
 typedef __m512 vf;
@@ -23,12 +23,39 @@ static inline vf v_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline float v_sum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline void v_store(float *p, vf a) { _mm512_storeu_ps(p, a); }
 static inline vf v_set1(float a) { return _mm512_set1_ps(a); }
 static inline vf v_loadh(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
+/* Integer lanes for the 4-bit kernel: vb holds 4 bytes per lane, vi an int32 per lane. */
+typedef __m512i vb;
+typedef __m512i vi;
+static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
+static inline vb vb_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline vb vb_low(vb b) { return _mm512_and_si512(b, _mm512_set1_epi8(15)); }
+static inline vb vb_high(vb b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(15)); }
+static inline vb vb_set4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+/* acc + the sum of 4 products of unsigned bytes of w (at most 15 here) and signed bytes of x. */
+static inline vi vi_dot4(vi acc, vb w, vb x) {
+#if defined(__AVX512VNNI__)
+    /* As inline asm: GCC 12 copies every accumulator around the intrinsic's tied operand
+     * (two register moves per instruction in the inner loop). */
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+    return acc;
+#else
+    /* Pairs in int16: 2 * 15 * 127 cannot saturate. */
+    const __m512i pairs = _mm512_maddubs_epi16(w, x);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+}
+static inline vf vi_float(vi a) { return _mm512_cvtepi32_ps(a); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define VW 8
@@ -39,9 +66,26 @@ static inline vf v_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline void v_store(float *p, vf a) { _mm256_storeu_ps(p, a); }
 static inline vf v_set1(float a) { return _mm256_set1_ps(a); }
 static inline vf v_loadh(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+typedef __m256i vb;
+typedef __m256i vi;
+static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
+static inline vb vb_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vb vb_low(vb b) { return _mm256_and_si256(b, _mm256_set1_epi8(15)); }
+static inline vb vb_high(vb b) { return _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(15)); }
+static inline vb vb_set4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+static inline vi vi_dot4(vi acc, vb w, vb x) {
+    const __m256i pairs = _mm256_maddubs_epi16(w, x); /* 2 * 15 * 127: no saturation */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+static inline vf vi_float(vi a) { return _mm256_cvtepi32_ps(a); }
 static inline float v_sum(vf a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -55,11 +99,28 @@ static inline vf v_zero(void) { return 0.0f; }
 static inline vf v_load(const float *p) { return *p; }
 static inline vf v_i8(const int8_t *p) { return (float)*p; }
 static inline vf v_fma(vf a, vf b, vf c) { return a * b + c; }
+static inline vf v_mul(vf a, vf b) { return a * b; }
 static inline float v_sum(vf a) { return a; }
 static inline void v_store(float *p, vf a) { *p = a; }
 static inline vf v_set1(float a) { return a; }
 static inline float h2f(uint16_t h);
 static inline vf v_loadh(const uint16_t *p) { return h2f(*p); }
+typedef uint32_t vb;
+typedef int32_t vi;
+static inline vi vi_zero(void) { return 0; }
+static inline vb vb_load(const uint8_t *p) {
+    vb v;
+    memcpy(&v, p, 4);
+    return v;
+}
+static inline vb vb_low(vb b) { return b & 0x0f0f0f0fu; }
+static inline vb vb_high(vb b) { return (b >> 4) & 0x0f0f0f0fu; }
+static inline vb vb_set4(const int8_t *p) { return vb_load((const uint8_t *)p); }
+static inline vi vi_dot4(vi acc, vb w, vb x) {
+    for (int t = 0; t < 4; t++) acc += (int32_t)((w >> (8 * t)) & 0xff) * (int8_t)(x >> (8 * t));
+    return acc;
+}
+static inline vf vi_float(vi a) { return (float)a; }
 #endif
 
 /* float16 <-> float32 for KV cache entries (round to nearest even, as the hardware does). */
@@ -124,6 +185,9 @@ int furnace_vector_width(void) { return VW; }
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
+/* Elementwise work on rows of at least this many elements in total is split across threads. */
+#define PARALLEL_ELEMENTS 32768
+
 /* ---- int8-weight linear layers ----
  *
  * Weights are packed in panels of PW consecutive outputs, k-major: panel p holds
@@ -145,14 +209,14 @@ int furnace_vector_width(void) { return VW; }
 
 int furnace_w8_panel_width(void) { return PW; }
 
-/* y[m, n .. n + VW) from one accumulator: scale, bias, bounds. Outside the hot loop, and
+/* y[m, n .. n + VW) from one accumulator: scale (when not NULL), bias, bounds. Outside the hot loop, and
  * kept out of line: inlined into every register-block variant it made the build slow. */
 static __attribute__((noinline)) void w8_store(vf acc, int64_t n, int64_t N, const float *scale,
                                    const float *bias, float *yrow) {
     float tmp[VW];
     v_store(tmp, acc);
     for (int i = 0; i < VW && n + i < N; i++) {
-        float s = tmp[i] * scale[n + i];
+        float s = scale ? tmp[i] * scale[n + i] : tmp[i];
         if (bias) s += bias[n + i];
         yrow[n + i] = s;
     }
@@ -256,6 +320,162 @@ void furnace_w8_linear(const float *x, int64_t M, int64_t K, const int8_t *wp,
         }
         free(wf);
     }
+}
+
+/* ---- 4-bit linear layers: llama.cpp's Q4_1 weights, Q8_0-style activations ----
+ *
+ * Weights: w[n, k] = d[n, g] * q[n, k] + m[n, g], codes q in 0..15 and, per output n and
+ * group g of Q4_GROUP consecutive k, a float16 scale d and minimum m (Q4_1).
+ * Activations: per row and group, x[k] ~= s[g] * a[k] with a in -127..127 and
+ * s = max |x| / 127 (Q8_0), so that
+ *   y[n] = sum_g d[n, g] * s[g] * (sum_{k in g} q[n, k] a[k]) + m[n, g] * (sum_{k in g} x[k])
+ * where the inner sums are exact integer dot products (vpdpbusd, 4 byte products per
+ * instruction, or vpmaddubsw + vpmaddwd on AVX2): a quarter of the instructions of the
+ * float kernel per weight, so a decode step of many sequences is no longer bound by
+ * arithmetic. The group sums of x use the exact activations.
+ *
+ * Batch invariance: a row's codes, scales and sums come from that row alone, integer sums
+ * are exact, and the float fold runs in one fixed order per (row, output).
+ *
+ * Layout: panel p of PW outputs, group by group, Q4_BLOCK bytes each: Q4_GROUP / 4 quads of
+ * 4 consecutive k, each PV / 2 vectors of 4 VW bytes (byte 4 i + t of vector h holds the
+ * code of output h VW + i at k = 4 j + t in its low nibble, that of output
+ * (h + PV / 2) VW + i in its high one), then d[PW] and m[PW] (float16): Q4_1's 20 bytes
+ * per 32 weights, read in one stream. */
+#define Q4_GROUP 32
+#define Q4_QUAD_BYTES (2 * PW)
+#define Q4_BLOCK (Q4_GROUP / 4 * Q4_QUAD_BYTES + 4 * PW)
+/* Rows per register block: PV int32 accumulators each; the float totals, updated once
+ * per group, live in memory. */
+#if VW == 16
+#define Q4_ROWS 4
+#else
+#define Q4_ROWS 2
+#endif
+
+int furnace_q4_group(void) { return Q4_GROUP; }
+
+/* Per row and group of x [M, K]: codes a [M, K], scale s and sum [M, K / Q4_GROUP]. */
+void furnace_q8_rows(const float *x, int64_t M, int64_t K, int8_t *a, float *s, float *sum) {
+    const int64_t n = M * (K / Q4_GROUP);
+#pragma omp parallel for schedule(static) if (M * K >= 8 * PARALLEL_ELEMENTS)
+    for (int64_t i = 0; i < n; i++) {
+        const float *xg = x + i * Q4_GROUP;
+        int8_t *ag = a + i * Q4_GROUP;
+        float amax = 0.0f, total = 0.0f;
+        for (int j = 0; j < Q4_GROUP; j++) {
+            const float v = fabsf(xg[j]);
+            amax = v > amax ? v : amax;
+            total += xg[j];
+        }
+        sum[i] = total;
+        if (amax == 0.0f) {
+            s[i] = 0.0f;
+            memset(ag, 0, Q4_GROUP);
+            continue;
+        }
+        const float inv = 127.0f / amax;
+        s[i] = amax / 127.0f;
+        for (int j = 0; j < Q4_GROUP; j++) ag[j] = (int8_t)nearbyintf(xg[j] * inv);
+    }
+}
+
+/* R rows from m0 (R a compile-time constant: 1 .. Q4_ROWS) against one 4-bit panel w. */
+static ALWAYS_INLINE void q4_panel_rows(const int8_t *a, const float *s, const float *sum,
+                                        int64_t m0, const int R, int64_t K, const uint8_t *w,
+                                        int64_t n0, int64_t N, const float *bias, float *y) {
+    const int64_t groups = K / Q4_GROUP;
+    float tot[Q4_ROWS * PW] __attribute__((aligned(64)));
+    memset(tot, 0, sizeof(float) * R * PW);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *block = w + g * Q4_BLOCK;
+        vi acc[Q4_ROWS][PV];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int v = 0; v < PV; v++) acc[r][v] = vi_zero();
+#pragma GCC unroll 1
+        for (int j = 0; j < Q4_GROUP / 4; j++) {
+            const uint8_t *c = block + j * Q4_QUAD_BYTES;
+#if VW > 1
+            _mm_prefetch((const char *)c + W8_PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)c + W8_PREFETCH_BYTES + 64, _MM_HINT_T0);
+#endif
+            vb wv[PV];
+#pragma GCC unroll 2
+            for (int h = 0; h < PV / 2; h++) {
+                const vb raw = vb_load(c + h * 4 * VW);
+                wv[h] = vb_low(raw);
+                wv[h + PV / 2] = vb_high(raw);
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                const vb xb = vb_set4(a + (m0 + r) * K + g * Q4_GROUP + 4 * j);
+#pragma GCC unroll 4
+                for (int v = 0; v < PV; v++) acc[r][v] = vi_dot4(acc[r][v], wv[v], xb);
+            }
+        }
+        const uint16_t *dh = (const uint16_t *)(block + Q4_GROUP / 4 * Q4_QUAD_BYTES), *mh = dh + PW;
+#pragma GCC unroll 4
+        for (int v = 0; v < PV; v++) {
+            const vf d = v_loadh(dh + v * VW), m = v_loadh(mh + v * VW);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                const int64_t rg = (m0 + r) * groups + g;
+                float *t = tot + r * PW + v * VW;
+                const vf f = v_mul(vi_float(acc[r][v]), v_set1(s[rg]));
+                v_store(t, v_fma(m, v_set1(sum[rg]), v_fma(f, d, v_load(t))));
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < PV; v++)
+            w8_store(v_load(tot + r * PW + v * VW), n0 + v * VW, N, NULL, bias, y + (m0 + r) * N);
+}
+
+/* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) with x quantized as above (K a multiple
+ * of Q4_GROUP). a, s, sum: furnace_q8_rows of x; wp: the packed panels; bias: [N] or NULL;
+ * y: [M, N]. */
+void furnace_q4_linear_q8(const int8_t *a, const float *s, const float *sum, int64_t M, int64_t K,
+                          const uint8_t *wp, const float *bias, int64_t N, float *y) {
+    const int64_t panels = (N + PW - 1) / PW, groups = K / Q4_GROUP;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const uint8_t *w = wp + p * groups * Q4_BLOCK;
+        const int64_t n0 = p * PW;
+        for (int64_t m0 = 0; m0 < M; m0 += Q4_ROWS) {
+            switch (M - m0 < Q4_ROWS ? M - m0 : Q4_ROWS) {
+#define Q4_CASE(R)                                                                   \
+    case R:                                                                          \
+        q4_panel_rows(a, s, sum, m0, R, K, w, n0, N, bias, y);                       \
+        break;
+                Q4_CASE(1)
+                Q4_CASE(2)
+#if Q4_ROWS > 2
+                Q4_CASE(3)
+                Q4_CASE(4)
+#endif
+#if Q4_ROWS > 4
+                Q4_CASE(5)
+                Q4_CASE(6)
+#endif
+#undef Q4_CASE
+            }
+        }
+    }
+}
+
+/* The same from float x: quantizes x into scratch (at least M * K bytes + 8 M * K /
+ * Q4_GROUP bytes, float-aligned) first. */
+void furnace_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *wp,
+                       const float *bias, int64_t N, float *y, void *scratch) {
+    const int64_t groups = K / Q4_GROUP;
+    float *s = (float *)scratch, *sum = s + M * groups;
+    int8_t *a = (int8_t *)(sum + M * groups);
+    furnace_q8_rows(x, M, K, a, s, sum);
+    furnace_q4_linear_q8(a, s, sum, M, K, wp, bias, N, y);
 }
 
 /* Decode attention over a paged KV cache: one query token per sequence.
@@ -367,9 +587,6 @@ void furnace_paged_decode_attention(const float *q, const void *k_cache, const v
 
 /* ---- Elementwise pieces of a decoder layer, fused so a step makes few calls. ---- */
 
-/* Rows of at least this many elements in total are split across threads. */
-#define PARALLEL_ELEMENTS 32768
-
 /* out[m] = x[m] * w / sqrt(mean(x[m]^2) + eps); with h, first x[m] += h[m] (the residual
  * add, in place). x, h, out: [M, D]; w: [D]. */
 void furnace_add_rmsnorm(float *x, const float *h, int64_t M, int64_t D, const float *w,
@@ -437,23 +654,38 @@ void furnace_silu_mul(const float *gu, int64_t M, int64_t I, float *out) {
 
 /* ---- A whole decode step through every layer in one call. ---- */
 
-/* Per layer, LAYER_PTRS addresses, in this order. */
+/* Per layer, LAYER_PTRS addresses, in this order. Each linear layer has four: its format
+ * (LINEAR_W8 or LINEAR_Q4, a number, not an address), its packed weight, its scales (int8;
+ * 0 for 4-bit, whose scales are packed with the weight) and its bias (or 0). */
 enum {
-    P_QKV_W, P_QKV_S, P_QKV_B, P_O_W, P_O_S, P_O_B, P_GU_W, P_GU_S, P_GU_B,
-    P_DOWN_W, P_DOWN_S, P_DOWN_B, P_IN_NORM, P_POST_NORM, P_K_CACHE, P_V_CACHE,
+    P_QKV, P_O = P_QKV + 4, P_GU = P_O + 4, P_DOWN = P_GU + 4,
+    P_IN_NORM = P_DOWN + 4, P_POST_NORM, P_K_CACHE, P_V_CACHE,
     LAYER_PTRS
 };
+enum { LINEAR_W8 = 0, LINEAR_Q4 = 1 };
 
 int furnace_layer_ptrs(void) { return LAYER_PTRS; }
 
 #define PTR(type, i) ((type)(intptr_t)p[i])
 
+/* The linear layer whose four table entries start at p[i]: y = x W^T (+ b). qs: scratch
+ * for quantized activations (4-bit layers), M * K floats. */
+static void table_linear(const int64_t *p, int i, const float *x, int64_t M, int64_t K,
+                         int64_t N, float *y, float *qs) {
+    if (p[i] == LINEAR_Q4)
+        furnace_q4_linear(x, M, K, PTR(const uint8_t *, i + 1), PTR(const float *, i + 3), N, y,
+                          qs);
+    else
+        furnace_w8_linear(x, M, K, PTR(const int8_t *, i + 1), PTR(const float *, i + 2),
+                          PTR(const float *, i + 3), N, y);
+}
+
 /* Every layer of a step whose S sequences each bring one token (no prefill), with the
- * int8 linear layers above: the same arithmetic as the per-op path, minus the Python and
+ * int8 or 4-bit linear layers above: the same arithmetic as the per-op path, minus the Python and
  * dispatch cost between ops. x: [S, hidden] embeddings in, the residual stream after the
  * last layer out (before the final norm). cos/sin/slots/tables/ctx/kv_half as for the
- * per-op kernels; scratch: at least S * (3 hidden + (H + 2 KV) D + (H + KV) D + H D + 3 I)
- * floats. */
+ * per-op kernels; scratch: at least S * (2 hidden + (H + 2 KV) D + (H + KV) D + H D + 3 I
+ * + max(hidden, H D, I)) floats. */
 void furnace_decode_layers(int64_t L, const int64_t *ptrs, int64_t S, int64_t hidden,
                            int64_t H, int64_t KV, int64_t D, int64_t I, float eps, float *x,
                            const float *cos_t, const float *sin_t, const int64_t *slots,
@@ -468,24 +700,21 @@ void furnace_decode_layers(int64_t L, const int64_t *ptrs, int64_t S, int64_t hi
     float *att = k + S * KV * D;
     float *gu = att + S * H * D;
     float *act = gu + S * 2 * I;
+    float *qs = act + S * I;
     for (int64_t l = 0; l < L; l++) {
         const int64_t *p = ptrs + l * LAYER_PTRS;
         furnace_add_rmsnorm(x, l == 0 ? NULL : h, S, hidden, PTR(const float *, P_IN_NORM), eps,
                             normed);
-        furnace_w8_linear(normed, S, hidden, PTR(const int8_t *, P_QKV_W),
-                          PTR(const float *, P_QKV_S), PTR(const float *, P_QKV_B), width, qkv);
+        table_linear(p, P_QKV, normed, S, hidden, width, qkv, qs);
         void *kc = PTR(void *, P_K_CACHE), *vc = PTR(void *, P_V_CACHE);
         furnace_rope_store(qkv, S, H, KV, D, cos_t, sin_t, slots, kc, vc, q, k, kv_half);
         furnace_paged_decode_attention(q, kc, vc, tables, max_blocks, ctx, S, H, KV, D,
                                        block_size, scale, att, kv_half);
-        furnace_w8_linear(att, S, H * D, PTR(const int8_t *, P_O_W), PTR(const float *, P_O_S),
-                          PTR(const float *, P_O_B), hidden, h);
+        table_linear(p, P_O, att, S, H * D, hidden, h, qs);
         furnace_add_rmsnorm(x, h, S, hidden, PTR(const float *, P_POST_NORM), eps, normed);
-        furnace_w8_linear(normed, S, hidden, PTR(const int8_t *, P_GU_W),
-                          PTR(const float *, P_GU_S), PTR(const float *, P_GU_B), 2 * I, gu);
+        table_linear(p, P_GU, normed, S, hidden, 2 * I, gu, qs);
         furnace_silu_mul(gu, S, I, act);
-        furnace_w8_linear(act, S, I, PTR(const int8_t *, P_DOWN_W),
-                          PTR(const float *, P_DOWN_S), PTR(const float *, P_DOWN_B), hidden, h);
+        table_linear(p, P_DOWN, act, S, I, hidden, h, qs);
     }
     for (int64_t i = 0; i < S * hidden; i++) x[i] += h[i];
 }

@@ -28,7 +28,7 @@ from torch import nn
 
 from . import native
 from .model_config import ModelConfig
-from .quant import NativeInt8Linear
+from .quant import NativeInt8Linear, NativeQ4Linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,7 +453,7 @@ class Transformer(nn.Module):
         # compare with the per-op path).
         self.fused_decode = True
         # Weight and cache addresses for furnace_decode_layers: (cache, pointers), pointers
-        # None when the linears are not native int8 ones (remembered: asked every step).
+        # None when the linears are not native int8 / 4-bit ones (remembered: asked every step).
         self._layer_ptrs: tuple[KVCache, torch.Tensor | None] | None = None
 
     def use_native(self, kernels: native.Kernels | None) -> None:
@@ -525,8 +525,8 @@ class Transformer(nn.Module):
     def _forward_fused_decode(
         self, inputs: StepInputs, cache: KVCache, kernels: native.Kernels
     ) -> torch.Tensor | None:
-        """An all-decode step through every layer in one native call (int8 native linears
-        only; ``None`` otherwise). Same kernels, same order as :meth:`_forward_native`."""
+        """An all-decode step through every layer in one native call (native int8 or
+        4-bit linears only; ``None`` otherwise). Same kernels, same order as :meth:`_forward_native`."""
         ptrs = self._decode_layer_ptrs(cache, kernels)
         if ptrs is None:
             return None
@@ -561,7 +561,7 @@ class Transformer(nn.Module):
 
     def _decode_layer_ptrs(self, cache: KVCache, kernels: native.Kernels) -> torch.Tensor | None:
         """The address table of ``furnace_decode_layers`` for ``cache``, or ``None`` when a
-        layer's linears are not native int8 ones (float32 weights, fbgemm)."""
+        layer's linears are not native int8 or 4-bit ones (float32 weights, fbgemm)."""
         if self._layer_ptrs is not None and self._layer_ptrs[0] is cache:
             return self._layer_ptrs[1]
         rows: list[int] = []
@@ -574,11 +574,14 @@ class Transformer(nn.Module):
                 layer.mlp.down_proj,
             )
             for linear in linears:
-                if not isinstance(linear, NativeInt8Linear):
+                if isinstance(linear, NativeQ4Linear):
+                    rows += [native.LINEAR_Q4, linear.packed.data_ptr(), 0]
+                elif isinstance(linear, NativeInt8Linear):
+                    rows += [native.LINEAR_W8, linear.packed.data_ptr(), linear.scale.data_ptr()]
+                else:
                     self._layer_ptrs = (cache, None)
                     return None
-                bias = 0 if linear.bias is None else linear.bias.data_ptr()
-                rows += [linear.packed.data_ptr(), linear.scale.data_ptr(), bias]
+                rows.append(0 if linear.bias is None else linear.bias.data_ptr())
             rows += [
                 layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(),

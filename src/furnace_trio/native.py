@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
+# A linear layer's format in the decode_layers table (enum in cpu_kernels.c).
+LINEAR_W8 = 0
+LINEAR_Q4 = 1
+
 _lock = threading.Lock()
 _loaded: dict[str, Kernels | None] = {}
 
@@ -47,6 +51,10 @@ class Kernels:
         self.path = path
         self.vector_width = int(lib.furnace_vector_width())
         self.panel_width = int(lib.furnace_w8_panel_width())
+        self.q4_group = int(lib.furnace_q4_group())
+        self._q4_linear = lib.furnace_q4_linear
+        self._q4_linear.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P]
+        self._q4_linear.restype = None
         self._linear = lib.furnace_w8_linear
         self._linear.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P]
         self._linear.restype = None
@@ -88,6 +96,55 @@ class Kernels:
         """The inverse of :meth:`pack_w8`: ``[N, K]`` int8."""
         panels, k, p = packed.shape
         return packed.transpose(1, 2).reshape(panels * p, k)[:n]
+
+    def pack_q4(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """4-bit ``W = d * codes + m`` -> the kernel's panels, uint8
+        ``[ceil(N / P), K / G, 20 * P]`` (``P = panel_width``, ``G = q4_group``).
+
+        ``codes``: ``[N, K]`` integers in 0..15; ``d``, ``m``: ``[N, K / G]`` float16, one
+        scale and minimum per output and group of ``G`` consecutive inputs (Q4_1's layout).
+        Per panel and group: ``G / 4`` quads of 4 consecutive k, each ``PV / 2`` vectors of
+        ``4 V`` bytes (``V = vector_width``, ``PV = P / V``): byte ``4 i + t`` of vector
+        ``h`` holds output ``h V + i`` at k ``4 j + t`` in its low nibble and output
+        ``(h + PV / 2) V + i`` in its high one. Then ``d[P]`` and ``m[P]`` (float16).
+        """
+        n, k = codes.shape
+        p, g, vw = self.panel_width, self.q4_group, self.vector_width
+        pv = p // vw
+        if k % g:
+            raise ValueError(f"4-bit weights need in_features divisible by {g}, got {k}")
+        panels, groups = -(-n // p), k // g
+        c = torch.zeros((panels * p, k), dtype=torch.uint8)
+        c[:n] = codes.to(torch.uint8)
+        # [panel, v, i, group, quad j, t] -> [panel, group, j, v, i, t]
+        c = c.view(panels, pv, vw, groups, g // 4, 4).permute(0, 3, 4, 1, 2, 5)
+        nibbles = (c[:, :, :, : pv // 2] | (c[:, :, :, pv // 2 :] << 4)).reshape(panels, groups, -1)
+        scales = []
+        for t in (d, m):
+            padded = torch.zeros((panels * p, groups), dtype=torch.float16)
+            padded[:n] = t
+            scales.append(padded.view(panels, p, groups).transpose(1, 2).contiguous())
+        halves = torch.cat(scales, dim=2).view(torch.uint8)  # [panels, groups, 4 P]
+        return torch.cat((nibbles, halves), dim=2).contiguous()
+
+    def q4_linear(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+    ) -> None:
+        """``out = x @ W.T (+ bias)`` for ``packed`` from :meth:`pack_q4`, with each row's
+        activations quantized per group of ``q4_group`` (int8, scale max|x| / 127);
+        ``x`` ``[M, K]`` float32 contiguous, ``out`` ``[M, N]``."""
+        m, k = x.shape
+        scratch = torch.empty(m * k + 2 * m * (k // self.q4_group), dtype=torch.float32)
+        self._q4_linear(
+            x.data_ptr(),
+            m,
+            k,
+            packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.shape[1],
+            out.data_ptr(),
+            scratch.data_ptr(),
+        )
 
     def w8_linear(
         self,
@@ -267,7 +324,8 @@ class DecodeDims:
     def scratch_per_token(self) -> int:
         qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
         attention = 2 * self.heads * self.head_dim + self.kv_heads * self.head_dim
-        return 2 * self.hidden + qkv + attention + 3 * self.intermediate
+        quantized = max(self.hidden, self.heads * self.head_dim, self.intermediate)
+        return 2 * self.hidden + qkv + attention + 3 * self.intermediate + quantized
 
 
 def _kv_half(cache: torch.Tensor) -> int:

@@ -1,9 +1,18 @@
-"""Int8 linear layers for the CPU.
+"""Quantized linear layers for the CPU: 4-bit and int8.
 
-Decode on a CPU is memory bound: a step reads every weight once, so int8 weights (a quarter
-of float32's bytes) are the main lever. Two implementations:
+Decode on a CPU is memory bound: a step reads every weight once, so fewer bytes per weight
+are the main lever. Three implementations:
 
-- :class:`NativeInt8Linear` (the default where a C compiler is available): weight-only int8,
+- :class:`NativeQ4Linear` (``q4``; what ``auto`` runs where the weights already are 4-bit
+  values, as in the default model's Q4_1 GGUF): llama.cpp's Q4_1 weights (per output and
+  group of 32 inputs, ``d * q + m`` with 4-bit codes, float16 ``d`` and ``m``: 0.625 bytes
+  per weight, and for a Q4_1 file exactly the file's weights) against activations rounded
+  per row and group of 32 to int8 (scale ``max|x| / 127``, Q8_0's rule), multiplied with
+  integer dot products (VNNI where the CPU has it). The rounding of a row depends on that
+  row alone and integer sums are exact, so rows stay bitwise batch invariant. Perplexity
+  on the default model: within about 1.1% of float32, like int8 (``tests/test_quant.py``,
+  ``benchmarks/bench_quality.py``). The LM head stays int8 (:class:`NativeInt8Linear`).
+- :class:`NativeInt8Linear` (``int8``, and the LM head under ``q4``): weight-only int8,
   float32 activations, with the kernel of ``cpu_kernels.c`` (:mod:`furnace_trio.native`).
   Each int8 weight vector is widened to float in registers and multiplied with float
   activations, so only weights are quantized (no activation rounding at all) and every
@@ -46,7 +55,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import nn
@@ -55,18 +64,22 @@ from . import native
 
 logger = logging.getLogger(__name__)
 
-Quantization = Literal["auto", "none", "int8"]
-QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8")
+Quantization = Literal["auto", "none", "int8", "q4"]
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "q4")
+# Which linear layers get 4-bit weights (the rest int8): none, those whose weights already
+# are 4-bit values (lossless: a Q4_1 GGUF's), or every one but the LM head.
+FourBit = Literal["never", "lossless", "always"]
 
 
-def resolve_quantization(name: str, device: torch.device) -> Literal["none", "int8"]:
-    """``auto`` is int8 on the CPU when fbgemm is available (measured faster), else none."""
+def resolve_quantization(name: str, device: torch.device) -> Literal["none", "int8", "q4", "auto"]:
+    """``auto`` stays ``auto`` on the CPU when fbgemm is available (int8 weights, 4-bit where
+    that is lossless; see :func:`quantize_linears`), else it is none."""
     if name not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {name!r}; choose one of {QUANTIZATIONS}")
     if name == "auto":
         cpu = device.type == "cpu"
-        return "int8" if cpu and "fbgemm" in torch.backends.quantized.supported_engines else "none"
-    return "int8" if name == "int8" else "none"
+        return "auto" if cpu and "fbgemm" in torch.backends.quantized.supported_engines else "none"
+    return cast(Literal["none", "int8", "q4"], name)
 
 
 # Fixed activation quantization: [-1, 1] -> codes [0.5, 127.5] -> rounded, within 0..128.
@@ -87,35 +100,104 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-class NativeInt8Linear(nn.Module):
-    """``y = x @ (q * scale).T (+ b)``: int8 weights, float32 activations (CPU, native kernel).
+Q4_GROUP = 32
 
-    Same call signature as :class:`furnace_trio.model.Linear`. The weight is kept only in
-    the kernel's packed layout (:meth:`~furnace_trio.native.Kernels.pack_w8`).
-    """
+
+def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit codes, scales and minimums in Q4_1's scheme: per output and group of
+    :data:`Q4_GROUP` inputs, ``d = (max - min) / 15``, ``m = min`` (both float16) and
+    ``w ~= d * q + m`` with ``q`` in 0..15. Weights dequantized from a Q4_1 GGUF come back
+    exactly (:func:`dequantize_q4` gives the same float32 values: see ``is_lossless_q4``).
+    Returns ``q`` ``[N, K]`` uint8, ``d`` and ``m`` ``[N, K / 32]`` float16."""
+    w = weight.detach().float()
+    n, k = w.shape
+    groups = w.reshape(n, k // Q4_GROUP, Q4_GROUP)
+    low, high = groups.amin(dim=2), groups.amax(dim=2)
+    d = ((high - low) / 15.0).half()
+    m = low.half()
+    step = d.float().masked_fill(d == 0, 1.0)
+    q = torch.round((groups - m.float()[..., None]) / step[..., None]).clamp_(0, 15)
+    return q.reshape(n, k).to(torch.uint8), d, m
+
+
+def dequantize_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``d * q + m`` in float32, as the kernel (and a GGUF reader) computes each weight."""
+    n, k = q.shape
+    groups = q.reshape(n, k // Q4_GROUP, Q4_GROUP).float()
+    return (groups * d.float()[..., None] + m.float()[..., None]).reshape(n, k)
+
+
+class _NativeLinear(nn.Module):
+    """What the native layers share: the float32 ``[..., in]`` -> ``[..., out]`` call of
+    :class:`furnace_trio.model.Linear`, over a packed weight the subclass multiplies in
+    :meth:`_multiply`."""
+
+    label = ""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.Kernels
     ) -> None:
         super().__init__()
-        q, scale = quantize_weight(weight)
         self.out_features, self.in_features = weight.shape
-        self.packed = kernels.pack_w8(q)
-        self.scale = scale.float().contiguous()
         self.bias: torch.Tensor | None = (
             None if bias is None else bias.detach().float().contiguous()
         )
         self._kernels = kernels
 
+    def _multiply(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float().contiguous()
         y = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
-        self._kernels.w8_linear(x2, self.packed, self.scale, self.bias, y)
+        self._multiply(x2, y)
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 (native)"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.label}"
+
+
+class NativeQ4Linear(_NativeLinear):
+    """``y = x @ W.T (+ b)`` with ``W`` in 4-bit groups (:func:`quantize_q4`) and the
+    activations rounded per row and group to int8 in the kernel (CPU, native kernel).
+    ``codes``: ``quantize_q4(weight)`` when the caller has it already."""
+
+    label = "4-bit (native)"
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernels: native.Kernels,
+        codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__(weight, bias, kernels)
+        self.packed = kernels.pack_q4(*(quantize_q4(weight) if codes is None else codes))
+
+    def _multiply(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        self._kernels.q4_linear(x, self.packed, self.bias, out)
+
+
+class NativeInt8Linear(_NativeLinear):
+    """``y = x @ (q * scale).T (+ b)``: int8 weights, float32 activations (CPU, native kernel).
+
+    The weight is kept only in the kernel's packed layout
+    (:meth:`~furnace_trio.native.Kernels.pack_w8`).
+    """
+
+    label = "int8 (native)"
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.Kernels
+    ) -> None:
+        super().__init__(weight, bias, kernels)
+        q, scale = quantize_weight(weight)
+        self.packed = kernels.pack_w8(q)
+        self.scale = scale.float().contiguous()
+
+    def _multiply(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        self._kernels.w8_linear(x, self.packed, self.scale, self.bias, out)
 
 
 class Int8Linear(nn.Module):
@@ -171,16 +253,43 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def quantize_linears(
-    module: nn.Module, linear_type: type[nn.Module], kernels: native.Kernels | None = None
-) -> int:
-    """Replace every ``linear_type`` submodule (with ``.weight``/``.bias``) by an int8 one:
-    :class:`NativeInt8Linear` with ``kernels``, else the fbgemm :class:`Int8Linear`.
+def _quantized(
+    name: str,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    kernels: native.Kernels | None,
+    four_bit: FourBit,
+) -> nn.Module:
+    if kernels is None:
+        return Int8Linear(weight, bias)
+    if four_bit != "never" and weight.shape[1] % Q4_GROUP == 0:
+        codes = quantize_q4(weight)
+        if four_bit == "always" and name != "lm_head":
+            return NativeQ4Linear(weight, bias, kernels, codes)
+        if torch.equal(dequantize_q4(*codes), weight.float()):
+            return NativeQ4Linear(weight, bias, kernels, codes)
+    return NativeInt8Linear(weight, bias, kernels)
 
-    Returns how many were replaced. Float weights are dropped as their module is replaced
-    (a tied ``lm_head`` keeps the embedding table alive, which the embedding lookup needs).
+
+def quantize_linears(
+    module: nn.Module,
+    linear_type: type[nn.Module],
+    kernels: native.Kernels | None = None,
+    four_bit: FourBit = "never",
+) -> dict[str, int]:
+    """Replace every ``linear_type`` submodule (with ``.weight``/``.bias``) by a quantized one.
+
+    With ``kernels``: :class:`NativeQ4Linear` where ``four_bit`` allows it (``lossless``:
+    where :func:`quantize_q4` gives back exactly the float weights, as for a Q4_1 GGUF's;
+    ``always``: every layer whose input size divides into groups, except ``lm_head``, whose
+    logits 4 bits would cost too much), :class:`NativeInt8Linear` elsewhere. Without:
+    the fbgemm :class:`Int8Linear` everywhere.
+
+    Returns how many were replaced of each kind (``{"q4": .., "int8": ..}``). Float weights
+    are dropped as their module is replaced (a tied ``lm_head`` keeps the embedding table
+    alive, which the embedding lookup needs).
     """
-    count = 0
+    counts = {"q4": 0, "int8": 0}
     for name, child in list(module.named_children()):
         if isinstance(child, linear_type):
             weight = child.weight
@@ -188,13 +297,10 @@ def quantize_linears(
             if not isinstance(weight, torch.Tensor):
                 raise TypeError(f"{name}.weight is not a tensor")
             b = None if bias is None else bias.data
-            layer = (
-                Int8Linear(weight.data, b)
-                if kernels is None
-                else NativeInt8Linear(weight.data, b, kernels)
-            )
+            layer = _quantized(name, weight.data, b, kernels, four_bit)
+            counts["q4" if isinstance(layer, NativeQ4Linear) else "int8"] += 1
             setattr(module, name, layer)
-            count += 1
         else:
-            count += quantize_linears(child, linear_type, kernels)
-    return count
+            for kind, n in quantize_linears(child, linear_type, kernels, four_bit).items():
+                counts[kind] += n
+    return counts

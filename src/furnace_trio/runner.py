@@ -22,7 +22,7 @@ from .loader import LoadedModel
 from .model import KVCache, Linear, StepInputs, Transformer
 from .model_config import ModelConfig
 from .plan import ChunkPlan, SampledToken, SampleSpec, StepPlan
-from .quant import quantize_linears, resolve_quantization
+from .quant import FourBit, quantize_linears, resolve_quantization
 from .sampling import GeneratorStore, sample
 
 logger = logging.getLogger(__name__)
@@ -53,8 +53,10 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
     """How to run a model. ``quantization`` is ``none`` (float reference), ``int8`` (CPU,
-    see :mod:`furnace_trio.quant`) or ``auto`` (int8 on the CPU, none on a GPU); the runner
-    default is the float reference, the server's default is ``auto``."""
+    see :mod:`furnace_trio.quant`), ``q4`` (CPU with the native kernels: 4-bit groups for
+    every layer but the LM head, which stays int8) or ``auto`` (on the CPU int8, and 4-bit
+    for the layers whose weights already are 4-bit values, as a Q4_1 GGUF's: lossless; on a
+    GPU none). The runner default is the float reference, the server's default is ``auto``."""
 
     device: str = "auto"
     dtype: str | None = None
@@ -64,7 +66,7 @@ class RunnerConfig:
     quantization: str = "none"
     # The native CPU kernels (int8 linear, decode attention); False: torch kernels only.
     native: bool = True
-    # KV cache dtype: "auto" is float16 for int8 with the native kernels (half the bytes
+    # KV cache dtype: "auto" is float16 for int8 / q4 with the native kernels (half the bytes
     # that decode attention reads, and twice the tokens per MB), else the model dtype;
     # "model" always keeps the model dtype.
     kv_dtype: str = "auto"
@@ -81,22 +83,35 @@ class ModelRunner:
         self.config = config
         weights = {k: v.to(device=self.device, dtype=self.dtype) for k, v in weights.items()}
         self.model = Transformer(config, weights).eval()
-        self.quantization = resolve_quantization(settings.quantization, self.device)
-        if self.quantization == "int8" and self.dtype != torch.float32:
+        mode = resolve_quantization(settings.quantization, self.device)
+        if mode != "none" and self.dtype != torch.float32:
             if settings.quantization != "auto":
-                raise ValueError("int8 quantization needs dtype float32 (CPU)")
-            self.quantization = "none"  # auto: a configured float16/bfloat16 wins
+                raise ValueError(f"{mode} quantization needs dtype float32 (CPU)")
+            mode = "none"  # auto: a configured float16/bfloat16 wins
         use_native = settings.native and self.device.type == "cpu"
         kernels = native.load() if use_native else None
-        if self.quantization == "int8":
-            replaced = quantize_linears(self.model, Linear, kernels)
-            kind = "fbgemm" if kernels is None else "native"
-            logger.info("runner: %d linear layers quantized to int8 (%s)", replaced, kind)
+        # What the linear layers run: none, int8, or q4 (some or all 4-bit, the rest int8).
+        self.quantization = "none" if mode == "none" else "int8"
+        if mode != "none":
+            if mode == "q4" and kernels is None:
+                logger.warning("runner: 4-bit weights need the native kernels; using int8")
+            four_bit: FourBit = (
+                "always" if mode == "q4" else "lossless" if mode == "auto" else "never"
+            )
+            counts = quantize_linears(self.model, Linear, kernels, four_bit)
+            if counts["q4"]:
+                self.quantization = "q4"
+            logger.info(
+                "runner: linear layers quantized: %d 4-bit, %d int8 (%s)",
+                counts["q4"],
+                counts["int8"],
+                "fbgemm" if kernels is None else "native",
+            )
         if self.dtype == torch.float32:
             self.model.use_native(kernels)
         if settings.kv_dtype not in ("auto", "model"):
             raise ValueError(f"kv_dtype must be 'auto' or 'model', got {settings.kv_dtype!r}")
-        half_kv = settings.kv_dtype == "auto" and self.quantization == "int8" and kernels
+        half_kv = settings.kv_dtype == "auto" and self.quantization != "none" and kernels
         self.kv_dtype = torch.float16 if half_kv else self.dtype
         per_block = KVCache.bytes_per_block(config, settings.block_size, self.kv_dtype)
         num_blocks = max(1, settings.kv_cache_bytes // per_block)
