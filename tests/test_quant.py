@@ -16,9 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from furnace_trio import config
 from furnace_trio.loader import LoadedModel
 from furnace_trio.model import Linear
 from furnace_trio.quant import (
+    QUANTIZATIONS,
     Int8Linear,
     NativeInt8Linear,
     NativeQ4Linear,
@@ -87,6 +89,8 @@ def test_resolve_quantization() -> None:
     assert resolve_quantization("auto", torch.device("cuda")) == "none"
     with pytest.raises(ValueError, match="unsupported quantization"):
         resolve_quantization("int4", torch.device("cpu"))
+    # the server's settings (which do not import torch) accept the same names
+    assert config.QUANTIZATIONS == QUANTIZATIONS
 
 
 def test_quantize_q4_round_trip() -> None:
