@@ -266,6 +266,17 @@ def test_silu_mul(kernels: native.Kernels) -> None:
     torch.testing.assert_close(out, F.silu(gate_up[:, :50]) * gate_up[:, 50:])
 
 
+def test_silu_mul_vector_exp_over_the_whole_range(kernels: native.Kernels) -> None:
+    """The vectorized exp (Cephes' polynomial) against float64, gates from -100 to 100."""
+    gate = torch.linspace(-100, 100, 4099)
+    gate_up = torch.cat([gate, torch.ones(4099)])[None]
+    out = torch.empty(1, 4099)
+    kernels.silu_mul(gate_up, out)
+    want = F.silu(gate.double())
+    close = (out[0].double() - want).abs() <= 1e-6 * want.abs() + 1e-30
+    assert bool(close.all()), gate[~close][:5]
+
+
 def _q8_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's activation rounding, in torch: per row and group of ``group``, codes
     ``round(x * 127 / max|x|)`` times ``max|x| / 127`` (float32, as the kernel computes),

@@ -24,6 +24,8 @@ static inline vf v_i8(const int8_t *p) {
 }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf v_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline float v_sum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline void v_store(float *p, vf a) { _mm512_storeu_ps(p, a); }
 static inline vf v_set1(float a) { return _mm512_set1_ps(a); }
@@ -67,6 +69,8 @@ static inline vf v_i8(const int8_t *p) {
 }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf v_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf v_div(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline void v_store(float *p, vf a) { _mm256_storeu_ps(p, a); }
 static inline vf v_set1(float a) { return _mm256_set1_ps(a); }
 static inline vf v_loadh(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
@@ -100,6 +104,8 @@ static inline vf v_load(const float *p) { return *p; }
 static inline vf v_i8(const int8_t *p) { return (float)*p; }
 static inline vf v_fma(vf a, vf b, vf c) { return a * b + c; }
 static inline vf v_mul(vf a, vf b) { return a * b; }
+static inline vf v_add(vf a, vf b) { return a + b; }
+static inline vf v_div(vf a, vf b) { return a / b; }
 static inline float v_sum(vf a) { return a; }
 static inline void v_store(float *p, vf a) { *p = a; }
 static inline vf v_set1(float a) { return a; }
@@ -172,6 +178,39 @@ static inline uint16_t f2h(float f) {
     return (uint16_t)h;
 }
 #endif
+
+/* exp(x) for a vector, Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-5
+ * polynomial for e^r, times 2^n. Within 2 ulp of expf over the clamped range (below it
+ * the result is about 1e-38, above it about 2e38). */
+static inline vf v_exp(vf x) {
+#if VW == 1
+    return expf(x);
+#else
+#if VW == 16
+    x = _mm512_max_ps(_mm512_min_ps(x, v_set1(88.3762626647949f)), v_set1(-87.3365447504f));
+    const vf n = _mm512_roundscale_ps(v_mul(x, v_set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+#else
+    x = _mm256_max_ps(_mm256_min_ps(x, v_set1(88.3762626647949f)), v_set1(-87.3365447504f));
+    const vf n = _mm256_round_ps(v_mul(x, v_set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+#endif
+    vf r = v_fma(n, v_set1(-0.693359375f), x);
+    r = v_fma(n, v_set1(2.12194440e-4f), r);
+    vf y = v_set1(1.9875691500e-4f);
+    y = v_fma(y, r, v_set1(1.3981999507e-3f));
+    y = v_fma(y, r, v_set1(8.3334519073e-3f));
+    y = v_fma(y, r, v_set1(4.1665795894e-2f));
+    y = v_fma(y, r, v_set1(1.6666665459e-1f));
+    y = v_fma(y, r, v_set1(5.0000001201e-1f));
+    y = v_fma(y, v_mul(r, r), r);
+    y = v_add(y, v_set1(1.0f));
+#if VW == 16
+    return _mm512_scalef_ps(y, n);
+#else
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return v_mul(y, _mm256_castsi256_ps(e));
+#endif
+#endif
+}
 
 /* Round-trip helpers for tests of the conversions. */
 void furnace_f32_to_f16(const float *src, int64_t n, uint16_t *dst) {
@@ -488,8 +527,15 @@ void furnace_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *wp,
 
 /* sc[p] = exp(sc[p] - shift), returning the sum. */
 static float exp_shifted(float *sc, int64_t n, float shift) {
-    float total = 0.0f;
-    for (int64_t p = 0; p < n; p++) {
+    const int64_t nv = n - n % VW;
+    vf acc = v_zero();
+    for (int64_t p = 0; p < nv; p += VW) {
+        const vf e = v_exp(v_add(v_load(sc + p), v_set1(-shift)));
+        v_store(sc + p, e);
+        acc = v_add(acc, e);
+    }
+    float total = v_sum(acc);
+    for (int64_t p = nv; p < n; p++) {
         sc[p] = expf(sc[p] - shift);
         total += sc[p];
     }
@@ -644,11 +690,17 @@ void furnace_rope_store(const float *qkv, int64_t T, int64_t H, int64_t KV, int6
 
 /* out[m] = silu(gu[m, :I]) * gu[m, I:]; gu: [M, 2I], out: [M, I]. */
 void furnace_silu_mul(const float *gu, int64_t M, int64_t I, float *out) {
+    const int64_t iv = I - I % VW;
 #pragma omp parallel for schedule(static) if (M * I >= PARALLEL_ELEMENTS)
     for (int64_t m = 0; m < M; m++) {
         const float *g = gu + m * 2 * I, *u = g + I;
         float *o = out + m * I;
-        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        for (int64_t i = 0; i < iv; i += VW) {
+            const vf gv = v_load(g + i);
+            const vf sig = v_add(v_set1(1.0f), v_exp(v_mul(gv, v_set1(-1.0f))));
+            v_store(o + i, v_mul(v_div(gv, sig), v_load(u + i)));
+        }
+        for (int64_t i = iv; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
 
