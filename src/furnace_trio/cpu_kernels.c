@@ -523,6 +523,7 @@ void furnace_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *wp,
  * One task per (sequence, KV head): the H / KV query heads of the group share every key
  * and value read. Exact softmax in two passes over the task's scores. */
 #define ATT_MAX_GROUP 64
+#define ATT_PREFETCH 6
 #define ATT_STACK_SCORES 16384
 
 /* sc[p] = exp(sc[p] - shift), returning the sum. */
@@ -557,9 +558,24 @@ static ALWAYS_INLINE void attend_one(const float *qh, const void *k_cache, const
     float mx[ATT_MAX_GROUP];
     for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
     const int64_t dv = D - D % VW;
+    const int64_t row_bytes = D * (half ? 2 : 4);
     for (int64_t p = 0; p < n; p++) {
         const int64_t slot = table[p / block_size] * block_size + p % block_size;
         const int64_t kp = (slot * KV + kvh) * D;
+#if VW > 1
+        /* Positions are scattered over blocks, a few rows of 128 to 256 bytes each: the
+         * hardware prefetcher does not follow them. Fetch both rows a few positions ahead
+         * (the values for the second pass too). */
+        if (p + ATT_PREFETCH < n) {
+            const int64_t ahead = p + ATT_PREFETCH;
+            const int64_t s2 = table[ahead / block_size] * block_size + ahead % block_size;
+            const int64_t off = (s2 * KV + kvh) * row_bytes;
+            for (int64_t b = 0; b < row_bytes; b += 64) {
+                _mm_prefetch((const char *)k_cache + off + b, _MM_HINT_T0);
+                _mm_prefetch((const char *)v_cache + off + b, _MM_HINT_T0);
+            }
+        }
+#endif
         for (int64_t g = 0; g < group; g++) {
             const float *qg = qh + g * D;
             vf acc = v_zero();
