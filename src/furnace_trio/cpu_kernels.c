@@ -558,7 +558,9 @@ static ALWAYS_INLINE void attend_one(const float *qh, const void *k_cache, const
     float mx[ATT_MAX_GROUP];
     for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
     const int64_t dv = D - D % VW;
+#if VW > 1
     const int64_t row_bytes = D * (half ? 2 : 4);
+#endif
     for (int64_t p = 0; p < n; p++) {
         const int64_t slot = table[p / block_size] * block_size + p % block_size;
         const int64_t kp = (slot * KV + kvh) * D;
