@@ -21,13 +21,20 @@ from furnace_trio.quant import (
     NativeInt8Linear,
     NativeQ4Linear,
     dequantize_q4,
+    dequantize_q8,
     quantize_q4,
+    quantize_q8,
     quantize_weight,
 )
 
-# The kernels for this CPU, and the narrower builds a CPU without AVX-512 (or without AVX2)
-# gets: every kernel test runs on each build this machine can execute.
-BUILDS = {"native": (), "no-avx512": ("-mno-avx512f",), "plain-c": ("-march=x86-64",)}
+# The kernels for this CPU, and the narrower builds a CPU without VNNI, without AVX-512 or
+# without AVX2 gets: every kernel test runs on each build this machine can execute.
+BUILDS = {
+    "native": (),
+    "no-vnni": ("-mno-avx512vnni",),
+    "no-avx512": ("-mno-avx512f",),
+    "plain-c": ("-march=x86-64",),
+}
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
@@ -38,6 +45,8 @@ def kernels(request: pytest.FixtureRequest) -> native.Kernels:
         assert k.vector_width == 1
     elif request.param == "no-avx512":
         assert k.vector_width in (1, 8)
+    elif request.param == "no-vnni":
+        assert k.vector_width in (1, 8, 16)
     return k
 
 
@@ -354,6 +363,41 @@ def test_q4_packing_refuses_ragged_groups(kernels: native.Kernels) -> None:
     q, d, m = quantize_q4(torch.randn(8, 64))
     with pytest.raises(ValueError, match="divisible by 32"):
         kernels.pack_q4(q[:, :40], d, m)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (7, 32), (1000, 576)])
+def test_q8_linear_matches_reference(
+    kernels: native.Kernels, rows: int, out_features: int, in_features: int
+) -> None:
+    """Q8_0 weights against the same rounded activations: integer products, exact."""
+    torch.manual_seed(rows * out_features + in_features + 1)
+    q, d = quantize_q8(torch.randn(out_features, in_features))
+    packed = kernels.pack_q8(q, d)
+    x = torch.randn(rows, in_features)
+    x[0, :32] = 0.0  # an all-zero group
+    rounded, _ = _q8_activations(x, 32)
+    for bias in (None, torch.randn(out_features)):
+        out = torch.empty(rows, out_features)
+        kernels.q8_linear(x, packed, bias, out)
+        want = rounded.double() @ dequantize_q8(q, d).double().T
+        want = (want if bias is None else want + bias.double()).float()
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+
+
+def test_q8_linear_rows_are_batch_invariant(kernels: native.Kernels) -> None:
+    torch.manual_seed(5)
+    q, d = quantize_q8(torch.randn(300, 192))
+    packed = kernels.pack_q8(q, d)
+    x = torch.randn(1, 192)
+    alone = torch.empty(1, 300)
+    kernels.q8_linear(x, packed, None, alone)
+    for neighbours in (1, 3, 4, 9, 20):
+        others = torch.randn(neighbours, 192) * torch.logspace(-3, 3, neighbours)[:, None]
+        batch = torch.cat([others[:1], x, others[1:]])
+        out = torch.empty(len(batch), 300)
+        kernels.q8_linear(batch, packed, None, out)
+        assert torch.equal(out[1], alone[0]), neighbours
 
 
 def test_native_q4_linear_layer(kernels: native.Kernels) -> None:

@@ -24,9 +24,12 @@ from furnace_trio.quant import (
     Int8Linear,
     NativeInt8Linear,
     NativeQ4Linear,
+    NativeQ8Linear,
     dequantize_q4,
+    dequantize_q8,
     quantize_linears,
     quantize_q4,
+    quantize_q8,
     quantize_weight,
     resolve_quantization,
 )
@@ -106,6 +109,18 @@ def test_quantize_q4_round_trip() -> None:
     assert torch.equal(dequantize_q4(*quantize_q4(back)), back)
 
 
+def test_quantize_q8_round_trip() -> None:
+    torch.manual_seed(1)
+    w = torch.randn(40, 96)
+    q, d = quantize_q8(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    assert d.dtype == torch.float16 and d.shape == (40, 3)
+    back = dequantize_q8(q, d)
+    step = d.float().repeat_interleave(32, dim=1)
+    assert bool(((back - w).abs() <= step / 2 + 1e-3).all())
+    assert torch.equal(dequantize_q8(*quantize_q8(back)), back)  # a Q8_0 file's: exact
+
+
 def _layers() -> torch.nn.Module:
     torch.manual_seed(2)
     grid = dequantize_q4(*quantize_q4(torch.randn(48, 64)))
@@ -135,25 +150,31 @@ def test_quantize_linears_picks_formats() -> None:
         "ragged": NativeInt8Linear.__name__,
         "lm_head": NativeInt8Linear.__name__,
     }
-    # always: every layer with whole groups, but the LM head stays int8
+    # always: every layer with whole groups in 4 bits, but the LM head gets Q8_0
     assert kinds["always"]["off_grid"] == NativeQ4Linear.__name__
-    assert kinds["always"]["ragged"] == kinds["always"]["lm_head"] == NativeInt8Linear.__name__
+    assert kinds["always"]["lm_head"] == NativeQ8Linear.__name__
+    assert kinds["always"]["ragged"] == NativeInt8Linear.__name__
+    # lossless also finds weights on a Q8_0 grid
+    module = _layers()
+    module.q8_grid = Linear(dequantize_q8(*quantize_q8(torch.randn(48, 64))), None)
+    assert quantize_linears(module, Linear, kernels, "lossless") == {"q4": 1, "q8": 1, "int8": 3}
+    assert isinstance(module.q8_grid, NativeQ8Linear)
     # without kernels: the fbgemm int8 layer whatever is asked
     module = _layers()
-    assert quantize_linears(module, Linear, None, "always") == {"q4": 0, "int8": 4}
+    assert quantize_linears(module, Linear, None, "always") == {"q4": 0, "q8": 0, "int8": 4}
     assert all(isinstance(c, Int8Linear) for c in module.children())
 
 
 def test_auto_keeps_the_default_models_4_bit_weights(loaded: LoadedModel) -> None:
-    """The default GGUF stores every layer's linears in Q4_1: ``auto`` runs them as the
-    file's own 4-bit weights (lossless), and the Q8_0 LM head as int8."""
+    """The default GGUF stores every layer's linears in Q4_1 and the embedding (the tied LM
+    head) in Q8_0: ``auto`` runs all of them as the file's own weights (lossless)."""
     runner = ModelRunner.from_loaded(
         loaded, RunnerConfig(device="cpu", kv_cache_bytes=16 << 20, quantization="auto")
     )
     assert runner.quantization == "q4"
     kinds = {type(m).__name__ for name, m in runner.model.named_modules() if "layers." in name}
     assert NativeQ4Linear.__name__ in kinds and NativeInt8Linear.__name__ not in kinds
-    assert isinstance(runner.model.lm_head, NativeInt8Linear)
+    assert isinstance(runner.model.lm_head, NativeQ8Linear)
     assert runner.cache.k.dtype == torch.float16
 
 

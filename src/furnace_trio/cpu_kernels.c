@@ -58,6 +58,12 @@ static inline vi vi_dot4(vi acc, vb w, vb x) {
 #endif
 }
 static inline vf vi_float(vi a) { return _mm512_cvtepi32_ps(a); }
+/* |q| per byte, and x with the sign of q per byte (0 where q is 0): x . q = |q| . sign. */
+static inline vb vb_abs(vb q) { return _mm512_abs_epi8(q); }
+/* (where q is 0, |q| is too: x is left as it is there) */
+static inline vb vb_sign(vb x, vb q) {
+    return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(q), _mm512_setzero_si512(), x);
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define VW 8
@@ -90,6 +96,8 @@ static inline vi vi_dot4(vi acc, vb w, vb x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 static inline vf vi_float(vi a) { return _mm256_cvtepi32_ps(a); }
+static inline vb vb_abs(vb q) { return _mm256_abs_epi8(q); }
+static inline vb vb_sign(vb x, vb q) { return _mm256_sign_epi8(x, q); }
 static inline float v_sum(vf a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -127,6 +135,22 @@ static inline vi vi_dot4(vi acc, vb w, vb x) {
     return acc;
 }
 static inline vf vi_float(vi a) { return (float)a; }
+static inline vb vb_abs(vb q) {
+    vb out = 0;
+    for (int t = 0; t < 4; t++) {
+        const int8_t b = (int8_t)(q >> (8 * t));
+        out |= (uint32_t)(uint8_t)(b < 0 ? -b : b) << (8 * t);
+    }
+    return out;
+}
+static inline vb vb_sign(vb x, vb q) {
+    vb out = 0;
+    for (int t = 0; t < 4; t++) {
+        const int8_t b = (int8_t)(q >> (8 * t)), v = (int8_t)(x >> (8 * t));
+        out |= (uint32_t)(uint8_t)(b < 0 ? -v : b == 0 ? 0 : v) << (8 * t);
+    }
+    return out;
+}
 #endif
 
 /* float16 <-> float32 for KV cache entries (round to nearest even, as the hardware does). */
@@ -394,6 +418,15 @@ void furnace_w8_linear(const float *x, int64_t M, int64_t K, const int8_t *wp,
 
 int furnace_q4_group(void) { return Q4_GROUP; }
 
+/* The 8-bit sibling, llama.cpp's Q8_0: w[n, k] = d[n, g] * q[n, k] with signed codes q in
+ * -127..127 and a float16 scale per output and group of 32. Per panel and group: 8 quads of
+ * PV vectors of 4 VW bytes (byte 4 i + t of vector v: output v VW + i at k = 4 j + t), then
+ * d[PW]: Q8_0's 34 bytes per 32 weights. The products of two signed bytes go through the
+ * unsigned-times-signed instructions as |q| . (a with the sign of q), which cannot
+ * saturate (2 * 127 * 127 < 2^15). */
+#define Q8_QUAD_BYTES (4 * PW)
+#define Q8_BLOCK (Q4_GROUP / 4 * Q8_QUAD_BYTES + 2 * PW)
+
 /* Per row and group of x [M, K]: codes a [M, K], scale s and sum [M, K / Q4_GROUP]. */
 void furnace_q8_rows(const float *x, int64_t M, int64_t K, int8_t *a, float *s, float *sum) {
     const int64_t n = M * (K / Q4_GROUP);
@@ -419,15 +452,19 @@ void furnace_q8_rows(const float *x, int64_t M, int64_t K, int8_t *a, float *s, 
     }
 }
 
-/* R rows from m0 (R a compile-time constant: 1 .. Q4_ROWS) against one 4-bit panel w. */
-static ALWAYS_INLINE void q4_panel_rows(const int8_t *a, const float *s, const float *sum,
-                                        int64_t m0, const int R, int64_t K, const uint8_t *w,
-                                        int64_t n0, int64_t N, const float *bias, float *y) {
+/* R rows from m0 (R a compile-time constant: 1 .. Q4_ROWS) against one panel w of 4-bit
+ * (bits = 4) or 8-bit (bits = 8) codes, both compile-time constants after inlining. */
+static ALWAYS_INLINE void qx_panel_rows(const int bits, const int8_t *a, const float *s,
+                                        const float *sum, int64_t m0, const int R, int64_t K,
+                                        const uint8_t *w, int64_t n0, int64_t N,
+                                        const float *bias, float *y) {
     const int64_t groups = K / Q4_GROUP;
+    const int64_t quad_bytes = bits == 4 ? Q4_QUAD_BYTES : Q8_QUAD_BYTES;
+    const int64_t block_bytes = bits == 4 ? Q4_BLOCK : Q8_BLOCK;
     float tot[Q4_ROWS * PW] __attribute__((aligned(64)));
     memset(tot, 0, sizeof(float) * R * PW);
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *block = w + g * Q4_BLOCK;
+        const uint8_t *block = w + g * block_bytes;
         vi acc[Q4_ROWS][PV];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++)
@@ -435,35 +472,46 @@ static ALWAYS_INLINE void q4_panel_rows(const int8_t *a, const float *s, const f
             for (int v = 0; v < PV; v++) acc[r][v] = vi_zero();
 #pragma GCC unroll 1
         for (int j = 0; j < Q4_GROUP / 4; j++) {
-            const uint8_t *c = block + j * Q4_QUAD_BYTES;
+            const uint8_t *c = block + j * quad_bytes;
 #if VW > 1
-            _mm_prefetch((const char *)c + W8_PREFETCH_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)c + W8_PREFETCH_BYTES + 64, _MM_HINT_T0);
+            for (int64_t b = 0; b < quad_bytes; b += 64)
+                _mm_prefetch((const char *)c + W8_PREFETCH_BYTES + b, _MM_HINT_T0);
 #endif
-            vb wv[PV];
+            vb wv[PV], qv[PV];
+            if (bits == 4) {
 #pragma GCC unroll 2
-            for (int h = 0; h < PV / 2; h++) {
-                const vb raw = vb_load(c + h * 4 * VW);
-                wv[h] = vb_low(raw);
-                wv[h + PV / 2] = vb_high(raw);
+                for (int h = 0; h < PV / 2; h++) {
+                    const vb raw = vb_load(c + h * 4 * VW);
+                    wv[h] = vb_low(raw);
+                    wv[h + PV / 2] = vb_high(raw);
+                }
+            } else {
+#pragma GCC unroll 4
+                for (int v = 0; v < PV; v++) {
+                    qv[v] = vb_load(c + v * 4 * VW);
+                    wv[v] = vb_abs(qv[v]);
+                }
             }
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 const vb xb = vb_set4(a + (m0 + r) * K + g * Q4_GROUP + 4 * j);
 #pragma GCC unroll 4
-                for (int v = 0; v < PV; v++) acc[r][v] = vi_dot4(acc[r][v], wv[v], xb);
+                for (int v = 0; v < PV; v++)
+                    acc[r][v] = vi_dot4(acc[r][v], wv[v], bits == 4 ? xb : vb_sign(xb, qv[v]));
             }
         }
-        const uint16_t *dh = (const uint16_t *)(block + Q4_GROUP / 4 * Q4_QUAD_BYTES), *mh = dh + PW;
+        const uint16_t *dh = (const uint16_t *)(block + Q4_GROUP / 4 * quad_bytes), *mh = dh + PW;
 #pragma GCC unroll 4
         for (int v = 0; v < PV; v++) {
-            const vf d = v_loadh(dh + v * VW), m = v_loadh(mh + v * VW);
+            const vf d = v_loadh(dh + v * VW);
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 const int64_t rg = (m0 + r) * groups + g;
                 float *t = tot + r * PW + v * VW;
                 const vf f = v_mul(vi_float(acc[r][v]), v_set1(s[rg]));
-                v_store(t, v_fma(m, v_set1(sum[rg]), v_fma(f, d, v_load(t))));
+                vf total = v_fma(f, d, v_load(t));
+                if (bits == 4) total = v_fma(v_loadh(mh + v * VW), v_set1(sum[rg]), total);
+                v_store(t, total);
             }
         }
     }
@@ -475,46 +523,50 @@ static ALWAYS_INLINE void q4_panel_rows(const int8_t *a, const float *s, const f
 }
 
 /* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) with x quantized as above (K a multiple
- * of Q4_GROUP). a, s, sum: furnace_q8_rows of x; wp: the packed panels; bias: [N] or NULL;
- * y: [M, N]. */
-void furnace_q4_linear_q8(const int8_t *a, const float *s, const float *sum, int64_t M, int64_t K,
-                          const uint8_t *wp, const float *bias, int64_t N, float *y) {
+ * of Q4_GROUP) and w in 4-bit (bits = 4) or 8-bit (bits = 8) panels. a, s, sum:
+ * furnace_q8_rows of x; bias: [N] or NULL; y: [M, N]. */
+void furnace_qx_linear_q8(int bits, const int8_t *a, const float *s, const float *sum, int64_t M,
+                          int64_t K, const uint8_t *wp, const float *bias, int64_t N, float *y) {
     const int64_t panels = (N + PW - 1) / PW, groups = K / Q4_GROUP;
+    const int64_t block_bytes = bits == 4 ? Q4_BLOCK : Q8_BLOCK;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
-        const uint8_t *w = wp + p * groups * Q4_BLOCK;
+        const uint8_t *w = wp + p * groups * block_bytes;
         const int64_t n0 = p * PW;
         for (int64_t m0 = 0; m0 < M; m0 += Q4_ROWS) {
             switch (M - m0 < Q4_ROWS ? M - m0 : Q4_ROWS) {
-#define Q4_CASE(R)                                                                   \
+#define QX_CASE(R)                                                                   \
     case R:                                                                          \
-        q4_panel_rows(a, s, sum, m0, R, K, w, n0, N, bias, y);                       \
+        if (bits == 4)                                                               \
+            qx_panel_rows(4, a, s, sum, m0, R, K, w, n0, N, bias, y);                \
+        else                                                                         \
+            qx_panel_rows(8, a, s, sum, m0, R, K, w, n0, N, bias, y);                \
         break;
-                Q4_CASE(1)
-                Q4_CASE(2)
+                QX_CASE(1)
+                QX_CASE(2)
 #if Q4_ROWS > 2
-                Q4_CASE(3)
-                Q4_CASE(4)
+                QX_CASE(3)
+                QX_CASE(4)
 #endif
 #if Q4_ROWS > 4
-                Q4_CASE(5)
-                Q4_CASE(6)
+                QX_CASE(5)
+                QX_CASE(6)
 #endif
-#undef Q4_CASE
+#undef QX_CASE
             }
         }
     }
 }
 
 /* The same from float x: quantizes x into scratch (at least M * K bytes + 8 M * K /
- * Q4_GROUP bytes, float-aligned) first. */
-void furnace_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *wp,
+ * Q4_GROUP bytes, float-aligned) first. bits: 4 (Q4_1 panels) or 8 (Q8_0 panels). */
+void furnace_qx_linear(int bits, const float *x, int64_t M, int64_t K, const uint8_t *wp,
                        const float *bias, int64_t N, float *y, void *scratch) {
     const int64_t groups = K / Q4_GROUP;
     float *s = (float *)scratch, *sum = s + M * groups;
     int8_t *a = (int8_t *)(sum + M * groups);
     furnace_q8_rows(x, M, K, a, s, sum);
-    furnace_q4_linear_q8(a, s, sum, M, K, wp, bias, N, y);
+    furnace_qx_linear_q8(bits, a, s, sum, M, K, wp, bias, N, y);
 }
 
 /* Decode attention over a paged KV cache: one query token per sequence.
@@ -725,14 +777,14 @@ void furnace_silu_mul(const float *gu, int64_t M, int64_t I, float *out) {
 /* ---- A whole decode step through every layer in one call. ---- */
 
 /* Per layer, LAYER_PTRS addresses, in this order. Each linear layer has four: its format
- * (LINEAR_W8 or LINEAR_Q4, a number, not an address), its packed weight, its scales (int8;
- * 0 for 4-bit, whose scales are packed with the weight) and its bias (or 0). */
+ * (LINEAR_W8, LINEAR_Q4 or LINEAR_Q8, a number, not an address), its packed weight, its scales (int8;
+ * 0 for 4- and 8-bit groups, whose scales are packed with the weight) and its bias (or 0). */
 enum {
     P_QKV, P_O = P_QKV + 4, P_GU = P_O + 4, P_DOWN = P_GU + 4,
     P_IN_NORM = P_DOWN + 4, P_POST_NORM, P_K_CACHE, P_V_CACHE,
     LAYER_PTRS
 };
-enum { LINEAR_W8 = 0, LINEAR_Q4 = 1 };
+enum { LINEAR_W8 = 0, LINEAR_Q4 = 1, LINEAR_Q8 = 2 };
 
 int furnace_layer_ptrs(void) { return LAYER_PTRS; }
 
@@ -742,9 +794,9 @@ int furnace_layer_ptrs(void) { return LAYER_PTRS; }
  * for quantized activations (4-bit layers), M * K floats. */
 static void table_linear(const int64_t *p, int i, const float *x, int64_t M, int64_t K,
                          int64_t N, float *y, float *qs) {
-    if (p[i] == LINEAR_Q4)
-        furnace_q4_linear(x, M, K, PTR(const uint8_t *, i + 1), PTR(const float *, i + 3), N, y,
-                          qs);
+    if (p[i] == LINEAR_Q4 || p[i] == LINEAR_Q8)
+        furnace_qx_linear(p[i] == LINEAR_Q4 ? 4 : 8, x, M, K, PTR(const uint8_t *, i + 1),
+                          PTR(const float *, i + 3), N, y, qs);
     else
         furnace_w8_linear(x, M, K, PTR(const int8_t *, i + 1), PTR(const float *, i + 2),
                           PTR(const float *, i + 3), N, y);

@@ -28,7 +28,7 @@ from torch import nn
 
 from . import native
 from .model_config import ModelConfig
-from .quant import NativeInt8Linear, NativeQ4Linear
+from .quant import NativeInt8Linear, NativeQ4Linear, NativeQ8Linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -561,7 +561,7 @@ class Transformer(nn.Module):
 
     def _decode_layer_ptrs(self, cache: KVCache, kernels: native.Kernels) -> torch.Tensor | None:
         """The address table of ``furnace_decode_layers`` for ``cache``, or ``None`` when a
-        layer's linears are not native int8 or 4-bit ones (float32 weights, fbgemm)."""
+        layer's linears are not native int8, 4-bit or Q8_0 ones (float32 weights, fbgemm)."""
         if self._layer_ptrs is not None and self._layer_ptrs[0] is cache:
             return self._layer_ptrs[1]
         rows: list[int] = []
@@ -576,6 +576,8 @@ class Transformer(nn.Module):
             for linear in linears:
                 if isinstance(linear, NativeQ4Linear):
                     rows += [native.LINEAR_Q4, linear.packed.data_ptr(), 0]
+                elif isinstance(linear, NativeQ8Linear):
+                    rows += [native.LINEAR_Q8, linear.packed.data_ptr(), 0]
                 elif isinstance(linear, NativeInt8Linear):
                     rows += [native.LINEAR_W8, linear.packed.data_ptr(), linear.scale.data_ptr()]
                 else:

@@ -36,6 +36,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # A linear layer's format in the decode_layers table (enum in cpu_kernels.c).
 LINEAR_W8 = 0
 LINEAR_Q4 = 1
+LINEAR_Q8 = 2
 
 _lock = threading.Lock()
 _loaded: dict[str, Kernels | None] = {}
@@ -52,9 +53,9 @@ class Kernels:
         self.vector_width = int(lib.furnace_vector_width())
         self.panel_width = int(lib.furnace_w8_panel_width())
         self.q4_group = int(lib.furnace_q4_group())
-        self._q4_linear = lib.furnace_q4_linear
-        self._q4_linear.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P]
-        self._q4_linear.restype = None
+        self._qx_linear = lib.furnace_qx_linear
+        self._qx_linear.argtypes = [ctypes.c_int, _P, _I, _I, _P, _P, _I, _P, _P]
+        self._qx_linear.restype = None
         self._linear = lib.furnace_w8_linear
         self._linear.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P]
         self._linear.restype = None
@@ -127,15 +128,52 @@ class Kernels:
         halves = torch.cat(scales, dim=2).view(torch.uint8)  # [panels, groups, 4 P]
         return torch.cat((nibbles, halves), dim=2).contiguous()
 
+    def pack_q8(self, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """8-bit ``W = d * codes`` (Q8_0: ``codes`` ``[N, K]`` int8 in -127..127, ``d``
+        ``[N, K / G]`` float16) -> the kernel's panels, uint8 ``[ceil(N / P), K / G, 34 P]``.
+        Per panel and group: ``G / 4`` quads of ``PV`` vectors of ``4 V`` bytes (byte
+        ``4 i + t`` of vector ``v``: output ``v V + i`` at k ``4 j + t``), then ``d[P]``."""
+        n, k = codes.shape
+        p, g, vw = self.panel_width, self.q4_group, self.vector_width
+        if k % g:
+            raise ValueError(f"8-bit group weights need in_features divisible by {g}, got {k}")
+        panels, groups = -(-n // p), k // g
+        c = torch.zeros((panels * p, k), dtype=torch.int8)
+        c[:n] = codes
+        # [panel, v, i, group, quad j, t] -> [panel, group, j, v, i, t]
+        c = c.view(panels, p // vw, vw, groups, g // 4, 4).permute(0, 3, 4, 1, 2, 5)
+        body = c.reshape(panels, groups, -1).view(torch.uint8)
+        padded = torch.zeros((panels * p, groups), dtype=torch.float16)
+        padded[:n] = d
+        scales = padded.view(panels, p, groups).transpose(1, 2).contiguous().view(torch.uint8)
+        return torch.cat((body, scales), dim=2).contiguous()
+
     def q4_linear(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
     ) -> None:
         """``out = x @ W.T (+ bias)`` for ``packed`` from :meth:`pack_q4`, with each row's
         activations quantized per group of ``q4_group`` (int8, scale max|x| / 127);
         ``x`` ``[M, K]`` float32 contiguous, ``out`` ``[M, N]``."""
+        self._grouped_linear(4, x, packed, bias, out)
+
+    def q8_linear(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+    ) -> None:
+        """:meth:`q4_linear` for ``packed`` from :meth:`pack_q8`."""
+        self._grouped_linear(8, x, packed, bias, out)
+
+    def _grouped_linear(
+        self,
+        bits: int,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
         m, k = x.shape
         scratch = torch.empty(m * k + 2 * m * (k // self.q4_group), dtype=torch.float32)
-        self._q4_linear(
+        self._qx_linear(
+            bits,
             x.data_ptr(),
             m,
             k,

@@ -127,6 +127,24 @@ def dequantize_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Te
     return (groups * d.float()[..., None] + m.float()[..., None]).reshape(n, k)
 
 
+def quantize_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0: per output and group of :data:`Q4_GROUP` inputs, ``d = max|w| / 127`` (float16)
+    and ``q = round(w / d)`` in -127..127. Weights dequantized from a Q8_0 GGUF come back
+    exactly. Returns ``q`` ``[N, K]`` int8 and ``d`` ``[N, K / 32]`` float16."""
+    w = weight.detach().float()
+    n, k = w.shape
+    groups = w.reshape(n, k // Q4_GROUP, Q4_GROUP)
+    d = (groups.abs().amax(dim=2) / 127.0).half()
+    step = d.float().masked_fill(d == 0, 1.0)
+    q = torch.round(groups / step[..., None]).clamp_(-127, 127)
+    return q.reshape(n, k).to(torch.int8), d
+
+
+def dequantize_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    return (q.reshape(n, k // Q4_GROUP, Q4_GROUP).float() * d.float()[..., None]).reshape(n, k)
+
+
 class _NativeLinear(nn.Module):
     """What the native layers share: the float32 ``[..., in]`` -> ``[..., out]`` call of
     :class:`furnace_trio.model.Linear`, over a packed weight the subclass multiplies in
@@ -177,6 +195,26 @@ class NativeQ4Linear(_NativeLinear):
 
     def _multiply(self, x: torch.Tensor, out: torch.Tensor) -> None:
         self._kernels.q4_linear(x, self.packed, self.bias, out)
+
+
+class NativeQ8Linear(_NativeLinear):
+    """``y = x @ W.T (+ b)`` with ``W`` in Q8_0 groups (:func:`quantize_q8`) and the
+    activations rounded like :class:`NativeQ4Linear`'s (CPU, native kernel)."""
+
+    label = "Q8_0 (native)"
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernels: native.Kernels,
+        codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__(weight, bias, kernels)
+        self.packed = kernels.pack_q8(*(quantize_q8(weight) if codes is None else codes))
+
+    def _multiply(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        self._kernels.q8_linear(x, self.packed, self.bias, out)
 
 
 class NativeInt8Linear(_NativeLinear):
@@ -268,6 +306,9 @@ def _quantized(
             return NativeQ4Linear(weight, bias, kernels, codes)
         if torch.equal(dequantize_q4(*codes), weight.float()):
             return NativeQ4Linear(weight, bias, kernels, codes)
+        codes8 = quantize_q8(weight)
+        if four_bit == "always" or torch.equal(dequantize_q8(*codes8), weight.float()):
+            return NativeQ8Linear(weight, bias, kernels, codes8)
     return NativeInt8Linear(weight, bias, kernels)
 
 
@@ -279,17 +320,19 @@ def quantize_linears(
 ) -> dict[str, int]:
     """Replace every ``linear_type`` submodule (with ``.weight``/``.bias``) by a quantized one.
 
-    With ``kernels``: :class:`NativeQ4Linear` where ``four_bit`` allows it (``lossless``:
-    where :func:`quantize_q4` gives back exactly the float weights, as for a Q4_1 GGUF's;
-    ``always``: every layer whose input size divides into groups, except ``lm_head``, whose
-    logits 4 bits would cost too much), :class:`NativeInt8Linear` elsewhere. Without:
-    the fbgemm :class:`Int8Linear` everywhere.
+    With ``kernels`` and ``four_bit`` ``lossless`` (what ``auto`` asks): :class:`NativeQ4Linear`
+    where :func:`quantize_q4` gives back exactly the float weights (a Q4_1 GGUF's), else
+    :class:`NativeQ8Linear` where :func:`quantize_q8` does (a Q8_0 GGUF's), else
+    :class:`NativeInt8Linear`: the file's own weights wherever they are Q4_1 or Q8_0.
+    ``always``: 4-bit for every layer whose input size divides into groups of 32, except
+    ``lm_head`` (4 bits cost its logits too much), which gets Q8_0. ``never``: int8
+    everywhere. Without ``kernels``: the fbgemm :class:`Int8Linear` everywhere.
 
-    Returns how many were replaced of each kind (``{"q4": .., "int8": ..}``). Float weights
+    Returns how many were replaced of each kind (``{"q4": .., "q8": .., "int8": ..}``). Float weights
     are dropped as their module is replaced (a tied ``lm_head`` keeps the embedding table
     alive, which the embedding lookup needs).
     """
-    counts = {"q4": 0, "int8": 0}
+    counts = {"q4": 0, "q8": 0, "int8": 0}
     for name, child in list(module.named_children()):
         if isinstance(child, linear_type):
             weight = child.weight
@@ -298,7 +341,8 @@ def quantize_linears(
                 raise TypeError(f"{name}.weight is not a tensor")
             b = None if bias is None else bias.data
             layer = _quantized(name, weight.data, b, kernels, four_bit)
-            counts["q4" if isinstance(layer, NativeQ4Linear) else "int8"] += 1
+            kind = {NativeQ4Linear: "q4", NativeQ8Linear: "q8"}.get(type(layer), "int8")
+            counts[kind] += 1
             setattr(module, name, layer)
         else:
             for kind, n in quantize_linears(child, linear_type, kernels, four_bit).items():

@@ -53,10 +53,10 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
     """How to run a model. ``quantization`` is ``none`` (float reference), ``int8`` (CPU,
-    see :mod:`furnace_trio.quant`), ``q4`` (CPU with the native kernels: 4-bit groups for
-    every layer but the LM head, which stays int8) or ``auto`` (on the CPU int8, and 4-bit
-    for the layers whose weights already are 4-bit values, as a Q4_1 GGUF's: lossless; on a
-    GPU none). The runner default is the float reference, the server's default is ``auto``."""
+    see :mod:`furnace_trio.quant`), ``q4`` (CPU with the native kernels: Q4_1 groups for
+    every layer but the LM head, which gets Q8_0) or ``auto`` (on the CPU the file's own
+    weights where they are Q4_1 or Q8_0 values, int8 elsewhere; on a GPU none). The runner
+    default is the float reference, the server's default is ``auto``."""
 
     device: str = "auto"
     dtype: str | None = None
@@ -90,7 +90,7 @@ class ModelRunner:
             mode = "none"  # auto: a configured float16/bfloat16 wins
         use_native = settings.native and self.device.type == "cpu"
         kernels = native.load() if use_native else None
-        # What the linear layers run: none, int8, or q4 (some or all 4-bit, the rest int8).
+        # What the linear layers run: none, int8, or q4 (some or all in 4-bit groups).
         self.quantization = "none" if mode == "none" else "int8"
         if mode != "none":
             if mode == "q4" and kernels is None:
@@ -102,8 +102,9 @@ class ModelRunner:
             if counts["q4"]:
                 self.quantization = "q4"
             logger.info(
-                "runner: linear layers quantized: %d 4-bit, %d int8 (%s)",
+                "runner: linear layers quantized: %d 4-bit (Q4_1), %d Q8_0, %d int8 (%s)",
                 counts["q4"],
+                counts["q8"],
                 counts["int8"],
                 "fbgemm" if kernels is None else "native",
             )
