@@ -412,3 +412,12 @@ def test_native_q4_linear_layer(kernels: native.Kernels) -> None:
         # only the activations are rounded (8 bits per group of 32): close to the float layer
         rel = float((got - F.linear(x, w, b)).norm() / F.linear(x, w, b).norm())
         assert rel < 0.01
+
+
+def test_argmax_rows(kernels: native.Kernels) -> None:
+    x = torch.randn(5, 1003, generator=torch.Generator().manual_seed(8))
+    x[1, 3] = x[1, 700] = 99.0
+    x[2, 500] = float("nan")
+    x[3, 2] = float("inf")
+    x[4] = float("-inf")
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(-1))

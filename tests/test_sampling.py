@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from furnace_trio import native
 from furnace_trio.params import SamplingParams
 from furnace_trio.plan import SampleSpec
 from furnace_trio.sampling import GeneratorStore, sample
@@ -33,6 +34,20 @@ def test_greedy_is_argmax() -> None:
     assert [t.token_id for t in out] == logits.argmax(-1).tolist()
     assert [t.seq_id for t in out] == list(range(8))
     assert all(t.logprob is None and t.top_logprobs == () for t in out)
+
+
+def test_greedy_with_native_kernels_is_torchs_argmax() -> None:
+    """The native argmax (the runner's on the CPU): first maximum, NaN wins, as torch's."""
+    kernels = native.load()
+    assert kernels is not None
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(2))
+    logits[1, 7] = logits[1, 9000] = logits[1].max() + 1  # a tie: the first one
+    logits[2, 300] = float("nan")
+    logits[3, 11] = float("inf")
+    logits[4] = float("-inf")
+    for specs in (specs_for(6, temperature=0), specs_for(6, temperature=0, logprobs=0)):
+        got = [t.token_id for t in sample(logits, specs, [None] * 6, kernels)]
+        assert got == logits.argmax(-1).tolist() == [got[0], 7, 300, 11, 0, got[5]]
 
 
 def test_seeded_generators_reproduce_and_different_seeds_differ() -> None:

@@ -25,6 +25,7 @@ static inline vf v_i8(const int8_t *p) {
 static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf v_max(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline vf v_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline float v_sum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline void v_store(float *p, vf a) { _mm512_storeu_ps(p, a); }
@@ -76,6 +77,7 @@ static inline vf v_i8(const int8_t *p) {
 static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf v_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf v_max(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline vf v_div(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline void v_store(float *p, vf a) { _mm256_storeu_ps(p, a); }
 static inline vf v_set1(float a) { return _mm256_set1_ps(a); }
@@ -113,6 +115,7 @@ static inline vf v_i8(const int8_t *p) { return (float)*p; }
 static inline vf v_fma(vf a, vf b, vf c) { return a * b + c; }
 static inline vf v_mul(vf a, vf b) { return a * b; }
 static inline vf v_add(vf a, vf b) { return a + b; }
+static inline vf v_max(vf a, vf b) { return a > b ? a : b; }
 static inline vf v_div(vf a, vf b) { return a / b; }
 static inline float v_sum(vf a) { return a; }
 static inline void v_store(float *p, vf a) { *p = a; }
@@ -771,6 +774,41 @@ void furnace_silu_mul(const float *gu, int64_t M, int64_t I, float *out) {
             v_store(o + i, v_mul(v_div(gv, sig), v_load(u + i)));
         }
         for (int64_t i = iv; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* out[m] = the first index of the largest value of x[m] (x: [M, N]), as torch.argmax:
+ * a NaN counts as the largest (the first NaN wins). One vector pass for the maximum (and a
+ * sum of x * 0, NaN when a NaN or an infinity is there: then an exact scalar pass), then a
+ * scan to its first occurrence. */
+void furnace_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out) {
+    const int64_t nv = N - N % VW;
+#pragma omp parallel for schedule(static) if (M * N >= 16 * PARALLEL_ELEMENTS)
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * N;
+        vf top = v_set1(-INFINITY), odd = v_zero();
+        for (int64_t i = 0; i < nv; i += VW) {
+            const vf v = v_load(row + i);
+            top = v_max(top, v);
+            odd = v_fma(v, v_zero(), odd);
+        }
+        float best = -INFINITY, special = v_sum(odd);
+        float lanes[VW];
+        v_store(lanes, top);
+        for (int i = 0; i < VW; i++) best = lanes[i] > best ? lanes[i] : best;
+        for (int64_t i = nv; i < N; i++) {
+            best = row[i] > best ? row[i] : best;
+            special += row[i] * 0.0f;
+        }
+        int64_t at = 0;
+        if (special != special) { /* a NaN or an infinity: torch's rule, element by element */
+            float b = row[0];
+            for (int64_t i = 0; i < N && b == b; i++)
+                if (row[i] > b || row[i] != row[i]) b = row[i], at = i;
+        } else {
+            while (at < N - 1 && row[at] != best) at++;
+        }
+        out[m] = at;
     }
 }
 

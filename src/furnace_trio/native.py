@@ -77,6 +77,9 @@ class Kernels:
         self._decode_layers.argtypes = [_I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P]
         self._decode_layers.argtypes += [_P, _P, _P, _P, _I, _P, _I, ctypes.c_float, ctypes.c_int]
         self._decode_layers.argtypes += [_P]
+        self._argmax = lib.furnace_argmax_rows
+        self._argmax.argtypes = [_P, _I, _I, _P]
+        self._argmax.restype = None
         self._f32_to_f16 = lib.furnace_f32_to_f16
         self._f32_to_f16.argtypes = [_P, _I, _P]
         self._f16_to_f32 = lib.furnace_f16_to_f32
@@ -334,6 +337,14 @@ class Kernels:
             kv_half,
             scratch.data_ptr(),
         )
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(dim=-1)`` for ``x`` ``[M, N]`` float32 contiguous (first maximum; a NaN
+        counts as the largest), about ten times faster than torch's on a vocabulary row."""
+        m, n = x.shape
+        out = torch.empty(m, dtype=torch.int64)
+        self._argmax(x.data_ptr(), m, n, out.data_ptr())
+        return out
 
     def f32_to_f16(self, x: torch.Tensor) -> torch.Tensor:
         """The kernels' float32 -> float16 rounding (tests compare it with torch's)."""

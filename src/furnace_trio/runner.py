@@ -90,6 +90,7 @@ class ModelRunner:
             mode = "none"  # auto: a configured float16/bfloat16 wins
         use_native = settings.native and self.device.type == "cpu"
         kernels = native.load() if use_native else None
+        self._kernels = kernels
         # What the linear layers run: none, int8, or q4 (some or all in 4-bit groups).
         self.quantization = "none" if mode == "none" else "int8"
         if mode != "none":
@@ -178,7 +179,7 @@ class ModelRunner:
                 return []
             index = torch.tensor(rows, device=logits.device)
             generators = [self.generators.get(s.seq_id, s.params.seed) for s in specs]
-            return sample(logits[index], specs, generators)
+            return sample(logits[index], specs, generators, self._kernels)
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """Next-token logits after every chunk of ``plan``, no sampling (tests, benchmarks)."""
