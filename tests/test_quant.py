@@ -9,6 +9,7 @@ float32's on the fixed text in ``tests/data/perplexity.txt``.
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -163,6 +164,17 @@ def test_quantize_linears_picks_formats() -> None:
     module = _layers()
     assert quantize_linears(module, Linear, None, "always") == {"q4": 0, "q8": 0, "int8": 4}
     assert all(isinstance(c, Int8Linear) for c in module.children())
+
+
+def test_q4_without_native_kernels_falls_back_to_int8(
+    loaded: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = RunnerConfig(device="cpu", kv_cache_bytes=16 << 20, quantization="q4", native=False)
+    with caplog.at_level(logging.WARNING, logger="furnace_trio.runner"):
+        runner = ModelRunner.from_loaded(loaded, settings)
+    assert runner.quantization == "int8"
+    assert isinstance(runner.model.lm_head, Int8Linear)
+    assert "need the native kernels" in caplog.text
 
 
 def test_auto_keeps_the_default_models_4_bit_weights(loaded: LoadedModel) -> None:
