@@ -84,6 +84,18 @@ async def closed_loop(
     return Result(streams, total, time.perf_counter() - start, ttft, itl)
 
 
+def make_engine(runner: ModelRunner, thread: ModelThread, loaded: LoadedModel) -> Engine:
+    """An engine as the server builds one: default config, every step on ``thread``."""
+    tok = loaded.tokenizer
+    return Engine(
+        runner,
+        decode=tok.decode,
+        eos_token_ids=tok.eos_token_ids,
+        config=EngineConfig(),
+        model_thread=thread,
+    )
+
+
 async def run_engine(
     runner: ModelRunner,
     thread: ModelThread,
@@ -91,15 +103,8 @@ async def run_engine(
     workloads: list[tuple[int, int]],
     max_tokens: int,
 ) -> tuple[list[Result], float]:
-    tok = loaded.tokenizer
     prompts = [chat_ids(loaded, p) for p in PROMPTS]
-    engine = Engine(
-        runner,
-        decode=tok.decode,
-        eos_token_ids=tok.eos_token_ids,
-        config=EngineConfig(),
-        model_thread=thread,
-    )
+    engine = make_engine(runner, thread, loaded)
     results = []
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)

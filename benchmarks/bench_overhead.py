@@ -21,10 +21,10 @@ import httpx
 import trio
 from _common import PROMPTS, chat_ids, machine, pct
 from bench_engine import closed_loop as engine_loop
+from bench_engine import make_engine
 from bench_http import closed_loop as http_loop
 from bench_http import free_port, serve, wait_ready
 
-from furnace_trio.engine import Engine, EngineConfig
 from furnace_trio.loader import load_model
 from furnace_trio.model_thread import ModelThread
 from furnace_trio.runner import ModelRunner, RunnerConfig
@@ -66,18 +66,11 @@ def main() -> None:
         settings = RunnerConfig(device="cpu", kv_cache_bytes=512 << 20, quantization=args.quant)
         runner = thread.call(ModelRunner.from_loaded, loaded, settings)
         prompts = [chat_ids(loaded, p) for p in PROMPTS]
-        tok = loaded.tokenizer
         engine_side: list[tuple[float, float]] = []
         http_side: list[tuple[float, float]] = []
 
         async def engine_rounds() -> None:
-            engine = Engine(
-                runner,
-                decode=tok.decode,
-                eos_token_ids=tok.eos_token_ids,
-                config=EngineConfig(),
-                model_thread=thread,
-            )
+            engine = make_engine(runner, thread, loaded)
             async with trio.open_nursery() as nursery:
                 await nursery.start(engine.run)
                 await engine_loop(engine, prompts, 1, 1, 4)  # warm-up

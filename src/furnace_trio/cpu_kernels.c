@@ -1,7 +1,9 @@
-/* CPU kernels for decode: int8-weight linear layers and paged decode attention.
+/* CPU kernels: linear layers on int8 weights (float activations) and on Q4_1 / Q8_0 groups
+ * (int8 activations), paged decode attention, the elementwise pieces of a decoder layer,
+ * a whole all-decode step, and the greedy argmax.
  *
  * Built on first use by native.py (gcc -O3 -march=native -fopenmp) and called through
- * ctypes with raw pointers to contiguous float32 / int8 / int64 tensors.
+ * ctypes with raw pointers to contiguous tensors.
  *
  * Batch invariance: every output element is computed by the same instruction sequence
  * whatever the number of rows M and whichever block it falls in (the accumulation over k
@@ -411,8 +413,8 @@ void furnace_w8_linear(const float *x, int64_t M, int64_t K, const int8_t *wp,
 #define Q4_GROUP 32
 #define Q4_QUAD_BYTES (2 * PW)
 #define Q4_BLOCK (Q4_GROUP / 4 * Q4_QUAD_BYTES + 4 * PW)
-/* Rows per register block: PV int32 accumulators each; the float totals, updated once
- * per group, live in memory. */
+/* Rows per register block (both formats): PV int32 accumulators each; the float totals,
+ * updated once per group, live in memory. Q4_GROUP is the group size of Q8_0 too. */
 #if VW == 16
 #define Q4_ROWS 4
 #else

@@ -526,8 +526,8 @@ class Transformer(nn.Module):
     def _forward_fused_decode(
         self, inputs: StepInputs, cache: KVCache, kernels: native.Kernels
     ) -> torch.Tensor | None:
-        """An all-decode step through every layer in one native call (native int8 or
-        4-bit linears only; ``None`` otherwise). Same kernels, same order as :meth:`_forward_native`."""
+        """An all-decode step through every layer in one native call (native int8,
+        Q4_1 or Q8_0 linears only; ``None`` otherwise). Same kernels, same order as :meth:`_forward_native`."""
         ptrs = self._decode_layer_ptrs(cache, kernels)
         if ptrs is None:
             return None

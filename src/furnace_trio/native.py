@@ -112,44 +112,44 @@ class Kernels:
         ``h`` holds output ``h V + i`` at k ``4 j + t`` in its low nibble and output
         ``(h + PV / 2) V + i`` in its high one. Then ``d[P]`` and ``m[P]`` (float16).
         """
-        n, k = codes.shape
-        p, g, vw = self.panel_width, self.q4_group, self.vector_width
-        pv = p // vw
-        if k % g:
-            raise ValueError(f"4-bit weights need in_features divisible by {g}, got {k}")
-        panels, groups = -(-n // p), k // g
-        c = torch.zeros((panels * p, k), dtype=torch.uint8)
-        c[:n] = codes.to(torch.uint8)
-        # [panel, v, i, group, quad j, t] -> [panel, group, j, v, i, t]
-        c = c.view(panels, pv, vw, groups, g // 4, 4).permute(0, 3, 4, 1, 2, 5)
-        nibbles = (c[:, :, :, : pv // 2] | (c[:, :, :, pv // 2 :] << 4)).reshape(panels, groups, -1)
-        scales = []
-        for t in (d, m):
-            padded = torch.zeros((panels * p, groups), dtype=torch.float16)
-            padded[:n] = t
-            scales.append(padded.view(panels, p, groups).transpose(1, 2).contiguous())
-        halves = torch.cat(scales, dim=2).view(torch.uint8)  # [panels, groups, 4 P]
-        return torch.cat((nibbles, halves), dim=2).contiguous()
+        c = self._panel_codes(codes.to(torch.uint8), "4-bit")
+        half = c.shape[3] // 2
+        nibbles = (c[:, :, :, :half] | (c[:, :, :, half:] << 4)).reshape(*c.shape[:2], -1)
+        return torch.cat((nibbles, self._panel_scales(d, m)), dim=2).contiguous()
 
     def pack_q8(self, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         """8-bit ``W = d * codes`` (Q8_0: ``codes`` ``[N, K]`` int8 in -127..127, ``d``
         ``[N, K / G]`` float16) -> the kernel's panels, uint8 ``[ceil(N / P), K / G, 34 P]``.
         Per panel and group: ``G / 4`` quads of ``PV`` vectors of ``4 V`` bytes (byte
         ``4 i + t`` of vector ``v``: output ``v V + i`` at k ``4 j + t``), then ``d[P]``."""
+        c = self._panel_codes(codes.to(torch.int8), "8-bit group")
+        body = c.reshape(*c.shape[:2], -1).view(torch.uint8)
+        return torch.cat((body, self._panel_scales(d)), dim=2).contiguous()
+
+    def _panel_codes(self, codes: torch.Tensor, kind: str) -> torch.Tensor:
+        """``[N, K]`` codes, outputs padded with zeros to whole panels, as
+        ``[panel, group, quad j, vector v, lane i, t]`` (output ``v V + i``, k ``4 j + t``)."""
         n, k = codes.shape
         p, g, vw = self.panel_width, self.q4_group, self.vector_width
         if k % g:
-            raise ValueError(f"8-bit group weights need in_features divisible by {g}, got {k}")
+            raise ValueError(f"{kind} weights need in_features divisible by {g}, got {k}")
         panels, groups = -(-n // p), k // g
-        c = torch.zeros((panels * p, k), dtype=torch.int8)
-        c[:n] = codes
-        # [panel, v, i, group, quad j, t] -> [panel, group, j, v, i, t]
-        c = c.view(panels, p // vw, vw, groups, g // 4, 4).permute(0, 3, 4, 1, 2, 5)
-        body = c.reshape(panels, groups, -1).view(torch.uint8)
-        padded = torch.zeros((panels * p, groups), dtype=torch.float16)
-        padded[:n] = d
-        scales = padded.view(panels, p, groups).transpose(1, 2).contiguous().view(torch.uint8)
-        return torch.cat((body, scales), dim=2).contiguous()
+        padded = torch.zeros((panels * p, k), dtype=codes.dtype)
+        padded[:n] = codes
+        return padded.view(panels, p // vw, vw, groups, g // 4, 4).permute(0, 3, 4, 1, 2, 5)
+
+    def _panel_scales(self, *per_group: torch.Tensor) -> torch.Tensor:
+        """Float16 ``[N, K / G]`` tensors, padded to whole panels, as the bytes that end each
+        panel's group: ``[panel, group, 2 P * len(per_group)]`` uint8, one ``[P]`` after another."""
+        p = self.panel_width
+        n, groups = per_group[0].shape
+        panels = -(-n // p)
+        rows = []
+        for t in per_group:
+            padded = torch.zeros((panels * p, groups), dtype=torch.float16)
+            padded[:n] = t
+            rows.append(padded.view(panels, p, groups).transpose(1, 2))
+        return torch.cat(rows, dim=2).contiguous().view(torch.uint8)
 
     def q4_linear(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
@@ -340,7 +340,7 @@ class Kernels:
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x.argmax(dim=-1)`` for ``x`` ``[M, N]`` float32 contiguous (first maximum; a NaN
-        counts as the largest), about ten times faster than torch's on a vocabulary row."""
+        counts as the largest), about three times faster than torch's on vocabulary rows."""
         m, n = x.shape
         out = torch.empty(m, dtype=torch.int64)
         self._argmax(x.data_ptr(), m, n, out.data_ptr())

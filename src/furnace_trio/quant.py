@@ -3,16 +3,17 @@
 Decode on a CPU is memory bound: a step reads every weight once, so fewer bytes per weight
 are the main lever. Three implementations:
 
-- :class:`NativeQ4Linear` (``q4``; what ``auto`` runs where the weights already are 4-bit
-  values, as in the default model's Q4_1 GGUF): llama.cpp's Q4_1 weights (per output and
-  group of 32 inputs, ``d * q + m`` with 4-bit codes, float16 ``d`` and ``m``: 0.625 bytes
-  per weight, and for a Q4_1 file exactly the file's weights) against activations rounded
-  per row and group of 32 to int8 (scale ``max|x| / 127``, Q8_0's rule), multiplied with
-  integer dot products (VNNI where the CPU has it). The rounding of a row depends on that
-  row alone and integer sums are exact, so rows stay bitwise batch invariant. Perplexity
-  on the default model: within about 1.1% of float32, like int8 (``tests/test_quant.py``,
-  ``benchmarks/bench_quality.py``). The LM head stays int8 (:class:`NativeInt8Linear`).
-- :class:`NativeInt8Linear` (``int8``, and the LM head under ``q4``): weight-only int8,
+- :class:`NativeQ4Linear` and :class:`NativeQ8Linear` (what ``auto`` runs where the
+  weights already are Q4_1 or Q8_0 values, as all of the default model's are; ``q4``
+  forces them): llama.cpp's Q4_1 weights (per output and group of 32 inputs, ``d * q + m``
+  with 4-bit codes, float16 ``d`` and ``m``: 0.625 bytes per weight) and Q8_0 weights
+  (``d * q``, signed 8-bit codes: 1.0625 bytes), for such a file exactly its weights,
+  against activations rounded per row and group of 32 to int8 (scale ``max|x| / 127``,
+  Q8_0's rule), multiplied with integer dot products (VNNI where the CPU has it). The
+  rounding of a row depends on that row alone and integer sums are exact, so rows stay
+  bitwise batch invariant. Perplexity on the default model: +0.56% over float32
+  (``tests/test_quant.py``, ``benchmarks/bench_quality.py``).
+- :class:`NativeInt8Linear` (``int8``, and any weight ``auto`` finds on neither grid): weight-only int8,
   float32 activations, with the kernel of ``cpu_kernels.c`` (:mod:`furnace_trio.native`).
   Each int8 weight vector is widened to float in registers and multiplied with float
   activations, so only weights are quantized (no activation rounding at all) and every
@@ -66,14 +67,14 @@ logger = logging.getLogger(__name__)
 
 Quantization = Literal["auto", "none", "int8", "q4"]
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "q4")
-# Which linear layers get 4-bit weights (the rest int8): none, those whose weights already
-# are 4-bit values (lossless: a Q4_1 GGUF's), or every one but the LM head.
+# Which linear layers get Q4_1 / Q8_0 groups (the rest int8): none, those whose weights are
+# already on one of those grids (lossless: a GGUF's), or all (Q4_1, the LM head Q8_0).
 FourBit = Literal["never", "lossless", "always"]
 
 
 def resolve_quantization(name: str, device: torch.device) -> Literal["none", "int8", "q4", "auto"]:
-    """``auto`` stays ``auto`` on the CPU when fbgemm is available (int8 weights, 4-bit where
-    that is lossless; see :func:`quantize_linears`), else it is none."""
+    """``auto`` stays ``auto`` on the CPU when fbgemm is available (Q4_1 / Q8_0 where that is
+    lossless, int8 elsewhere; see :func:`quantize_linears`), else it is none."""
     if name not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {name!r}; choose one of {QUANTIZATIONS}")
     if name == "auto":
@@ -107,7 +108,7 @@ def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     """4-bit codes, scales and minimums in Q4_1's scheme: per output and group of
     :data:`Q4_GROUP` inputs, ``d = (max - min) / 15``, ``m = min`` (both float16) and
     ``w ~= d * q + m`` with ``q`` in 0..15. Weights dequantized from a Q4_1 GGUF come back
-    exactly (:func:`dequantize_q4` gives the same float32 values: see ``is_lossless_q4``).
+    exactly (:func:`dequantize_q4` gives the same float32 values).
     Returns ``q`` ``[N, K]`` uint8, ``d`` and ``m`` ``[N, K / 32]`` float16."""
     w = weight.detach().float()
     n, k = w.shape
@@ -300,15 +301,18 @@ def _quantized(
 ) -> nn.Module:
     if kernels is None:
         return Int8Linear(weight, bias)
-    if four_bit != "never" and weight.shape[1] % Q4_GROUP == 0:
-        codes = quantize_q4(weight)
-        if four_bit == "always" and name != "lm_head":
-            return NativeQ4Linear(weight, bias, kernels, codes)
-        if torch.equal(dequantize_q4(*codes), weight.float()):
-            return NativeQ4Linear(weight, bias, kernels, codes)
-        codes8 = quantize_q8(weight)
-        if four_bit == "always" or torch.equal(dequantize_q8(*codes8), weight.float()):
-            return NativeQ8Linear(weight, bias, kernels, codes8)
+    if four_bit == "never" or weight.shape[1] % Q4_GROUP:
+        return NativeInt8Linear(weight, bias, kernels)
+    if four_bit == "always":
+        if name == "lm_head":
+            return NativeQ8Linear(weight, bias, kernels)
+        return NativeQ4Linear(weight, bias, kernels)
+    codes = quantize_q4(weight)
+    if torch.equal(dequantize_q4(*codes), weight.float()):
+        return NativeQ4Linear(weight, bias, kernels, codes)
+    codes8 = quantize_q8(weight)
+    if torch.equal(dequantize_q8(*codes8), weight.float()):
+        return NativeQ8Linear(weight, bias, kernels, codes8)
     return NativeInt8Linear(weight, bias, kernels)
 
 
