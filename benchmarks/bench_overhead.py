@@ -2,20 +2,38 @@
 
 The same runtime (``--quant``, default q4) twice on this machine: a hypercorn server in a
 subprocess (as ``bench_http.py`` starts it) and an in-process Engine on its own model thread
-(as ``bench_engine.py`` runs it). Rounds alternate between the two, each a closed loop of one
-stream (greedy, ``ignore_eos``, ``--max-tokens``), so both sides see the same moments of this
-machine's memory bandwidth; medians over rounds are compared. Only one side runs at a time
-(the other's threads sleep).
+(as ``bench_engine.py`` runs it). Each round runs ``--requests`` streaming requests of one
+stream (greedy, ``ignore_eos``, ``--max-tokens``) on every side, one side at a time (the
+others' threads sleep), in an order that rotates from round to round, so every side sees
+the same moments of this machine's memory bandwidth, which drifts by tens of percent within
+a minute. A side's speed is compared with the engine's in the same round; the table gives
+the median and the quartiles of those ratios over the rounds.
 
-    python benchmarks/bench_overhead.py [--rounds 6] [--requests 3] [--max-tokens 64]
+Two HTTP clients: ``raw`` (a blocking socket, HTTP/1.1 by hand, SSE events counted per read:
+what the server costs, with as little client as possible on the same 2 cores) and ``httpx``
+(an asyncio ``httpx.AsyncClient`` parsing every chunk as JSON, as ``bench_http.py`` does).
+
+CPU time per token is read per thread (``/proc/<pid>/task/*/schedstat``): the Trio thread (the
+server's, or this process's for the engine side), the model's threads (the model thread
+and its OpenMP team), and the client's thread. On 2 cores every millisecond a thread other
+than the model's spends during a step is taken from the step.
+
+    python benchmarks/bench_overhead.py [--rounds 16] [--requests 1] [--max-tokens 64]
+                                        [--client both|raw|httpx]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
+import socket
 import statistics
 import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import httpx
 import trio
@@ -30,81 +48,215 @@ from furnace_trio.model_thread import ModelThread
 from furnace_trio.runner import ModelRunner, RunnerConfig
 
 
-def http_round(base_url: str, model: str, requests: int, max_tokens: int) -> tuple[float, float]:
-    """One HTTP round, run to the end on a plain thread with its own asyncio loop (httpx's
-    async backend must not see the Trio run of the engine side); blocks the caller."""
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of every thread of ``pid`` (``schedstat``: nanoseconds on a CPU)."""
+    out: dict[int, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0]) / 1e9
+        except FileNotFoundError:
+            continue  # the thread ended
+    return out
 
-    async def go() -> tuple[float, float]:
+
+@dataclass
+class Round:
+    tokens: int
+    seconds: float
+    itl_p50: float
+    trio_cpu: float  # seconds
+    model_cpu: float
+    client_cpu: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+@dataclass
+class Side:
+    name: str
+    rounds: list[Round] = field(default_factory=list)
+
+
+def measured(pid: int, trio_tid: int, run: Callable[[], tuple[int, float, float, float]]) -> Round:
+    """Run one side's round; ``run`` returns (tokens, seconds, ITL p50, client CPU s)."""
+    before = thread_cpu(pid)
+    tokens, seconds, itl, client = run()
+    after = thread_cpu(pid)
+    delta = {tid: cpu - before.get(tid, 0.0) for tid, cpu in after.items()}
+    trio_cpu = delta.pop(trio_tid, 0.0)
+    return Round(tokens, seconds, itl, trio_cpu, sum(delta.values()), client)
+
+
+def raw_requests(
+    port: int, model: str, requests: int, max_tokens: int
+) -> tuple[int, float, float, float]:
+    """Requests on one keep-alive connection with a lean client: a blocking loopback
+    socket, HTTP/1.1 written by hand, SSE events counted per read, one JSON parse per
+    request (the usage chunk)."""
+    tokens = 0
+    itl: list[float] = []
+    cpu = time.thread_time()
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for r in range(requests):
+            body = json.dumps(
+                {
+                    "model": model,
+                    "messages": [{"role": "user", "content": PROMPTS[r % len(PROMPTS)]}],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+            ).encode()
+            head = (
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            )
+            sock.sendall(head.encode() + body)
+            received = bytearray()
+            last: float | None = None
+            while not received.endswith(b"\r\n0\r\n\r\n"):  # the last chunk of the body
+                data = sock.recv(1 << 16)
+                if not data:
+                    raise ConnectionError("the server closed the connection")
+                now = time.perf_counter()
+                events = data.count(b'"content":"') - data.count(b'"content":""')
+                if events:
+                    if last is not None:
+                        itl.extend([(now - last) / events] * events)
+                    last = now
+                received += data
+            if b" 200 " not in received[:16]:
+                raise RuntimeError(received[:300].decode(errors="replace"))
+            at = received.rindex(b"data: {")
+            usage = json.loads(received[at + 6 : received.index(b"\n\n", at)])["usage"]
+            tokens += usage["completion_tokens"]
+    return tokens, time.perf_counter() - start, pct(itl, 50), time.thread_time() - cpu
+
+
+def httpx_requests(
+    base_url: str, model: str, requests: int, max_tokens: int
+) -> tuple[int, float, float, float]:
+    """The same with httpx, on a plain thread with its own asyncio loop (httpx's async
+    backend must not see the Trio run of the engine side)."""
+
+    async def go() -> tuple[int, float, float, float]:
+        cpu = time.thread_time()
         headers = {"x-bench-model": model}
         async with httpx.AsyncClient(base_url=base_url, timeout=600, headers=headers) as client:
             r = await http_loop(client, list(PROMPTS), 1, requests, max_tokens)
-        return r.tokens / r.seconds, pct(r.itl, 50)
+        return r.tokens, r.seconds, pct(r.itl, 50), time.thread_time() - cpu
 
-    out: list[tuple[float, float]] = []
+    out: list[tuple[int, float, float, float]] = []
     worker = threading.Thread(target=lambda: out.append(asyncio.run(go())))
     worker.start()
     worker.join()
     return out[0]
 
 
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return q[0], statistics.median(values), q[2]
+
+
+def report(sides: list[Side], args: argparse.Namespace) -> None:
+    print(
+        f"\none stream, {args.quant}, max_tokens={args.max_tokens}, {args.rounds} rounds x "
+        f"{args.requests} request(s) per side; medians over rounds; '/ engine': each round's "
+        "tok/s over the engine's in the same round, median [quartiles]; CPU in ms per token\n"
+    )
+    print("| side | tok/s | ITL p50 ms | / engine | Trio thread | model threads | client |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    engine = sides[0].rounds
+    e_itl = statistics.median(r.itl_p50 for r in engine)
+    for side in sides:
+        rs = side.rounds
+        itl = statistics.median(r.itl_p50 for r in rs)
+        lo, mid, hi = quartiles([r.tok_s / e.tok_s for r, e in zip(rs, engine, strict=True)])
+        extra = "" if side is sides[0] else f" (+{(itl - e_itl) * 1e3:.2f})"
+
+        def per_token(cpu: Callable[[Round], float], rs: list[Round] = rs) -> str:
+            return f"{statistics.median(cpu(r) / r.tokens for r in rs) * 1e3:.2f}"
+
+        client = "" if side is sides[0] else per_token(lambda r: r.client_cpu)
+        print(
+            f"| {side.name} | {statistics.median(r.tok_s for r in rs):.1f} | "
+            f"{itl * 1e3:.2f}{extra} | {mid:.3f} [{lo:.3f}, {hi:.3f}] | "
+            f"{per_token(lambda r: r.trio_cpu)} | {per_token(lambda r: r.model_cpu)} | {client} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quant", default="q4")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--requests", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--client", choices=["both", "raw", "httpx"], default="both")
     args = parser.parse_args()
     print(f"machine: {machine()}")
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     proc = serve(args.quant, port)
+    clients = ["raw", "httpx"] if args.client == "both" else [args.client]
+    sides = [Side("engine")] + [Side(f"HTTP ({c})") for c in clients]
     try:
         wait_ready(base_url, proc)
         model = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            server = int(f.read().split()[-1])  # hypercorn's worker process
         thread = ModelThread()
         loaded = thread.call(load_model, None)
         settings = RunnerConfig(device="cpu", kv_cache_bytes=512 << 20, quantization=args.quant)
         runner = thread.call(ModelRunner.from_loaded, loaded, settings)
         prompts = [chat_ids(loaded, p) for p in PROMPTS]
-        engine_side: list[tuple[float, float]] = []
-        http_side: list[tuple[float, float]] = []
 
-        async def engine_rounds() -> None:
+        def http(client: str, requests: int) -> tuple[int, float, float, float]:
+            if client == "raw":
+                return raw_requests(port, model, requests, args.max_tokens)
+            return httpx_requests(base_url, model, requests, args.max_tokens)
+
+        async def rounds() -> None:
             engine = make_engine(runner, thread, loaded)
+            me, trio_tid = os.getpid(), threading.get_native_id()
+
+            def engine_side() -> tuple[int, float, float, float]:
+                r = trio.from_thread.run(
+                    engine_loop, engine, prompts, 1, args.requests, args.max_tokens
+                )
+                return r.tokens, r.seconds, pct(r.itl, 50), 0.0
+
             async with trio.open_nursery() as nursery:
                 await nursery.start(engine.run)
                 await engine_loop(engine, prompts, 1, 1, 4)  # warm-up
-                http_round(base_url, model, 1, 4)  # warm-up (blocks: nothing else runs)
-                for _ in range(args.rounds):
-                    r = await engine_loop(engine, prompts, 1, args.requests, args.max_tokens)
-                    engine_side.append((r.tok_s, pct(r.itl, 50)))
-                    http_side.append(http_round(base_url, model, args.requests, args.max_tokens))
+                for client in clients:
+                    http(client, 1)  # warm-up (blocks: nothing else runs)
+                for k in range(args.rounds):
+                    order = list(range(len(sides)))
+                    order = order[k % len(order) :] + order[: k % len(order)]
+                    for i in order:
+                        if i == 0:
+                            # The engine's loop runs in this Trio run; the clock is read
+                            # from a worker thread so the Trio thread's CPU is all engine.
+                            r = await trio.to_thread.run_sync(measured, me, trio_tid, engine_side)
+                        else:
+                            r = measured(
+                                server, server, lambda c=clients[i - 1]: http(c, args.requests)
+                            )
+                        sides[i].rounds.append(r)
                 engine.shutdown()
                 nursery.cancel_scope.cancel()
 
-        trio.run(engine_rounds)
+        trio.run(rounds)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    e_tok = statistics.median(t for t, _ in engine_side)
-    h_tok = statistics.median(t for t, _ in http_side)
-    e_itl = statistics.median(i for _, i in engine_side)
-    h_itl = statistics.median(i for _, i in http_side)
-    print(
-        f"\none stream, {args.quant}, max_tokens={args.max_tokens}, {args.rounds} rounds x "
-        f"{args.requests} requests each side, medians\n"
-    )
-    print("| side | tok/s | ITL p50 ms | rounds (tok/s) |")
-    print("| --- | --- | --- | --- |")
-    print(
-        f"| engine | {e_tok:.1f} | {e_itl * 1e3:.2f} | "
-        f"{', '.join(f'{t:.0f}' for t, _ in engine_side)} |"
-    )
-    print(
-        f"| HTTP | {h_tok:.1f} | {h_itl * 1e3:.2f} | "
-        f"{', '.join(f'{t:.0f}' for t, _ in http_side)} |"
-    )
-    print(f"\nHTTP / engine: {h_tok / e_tok:.3f} (tok/s), ITL +{(h_itl - e_itl) * 1e3:.2f} ms")
+    report(sides, args)
 
 
 if __name__ == "__main__":

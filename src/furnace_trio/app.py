@@ -889,7 +889,7 @@ def _stream_chunks(
     if isinstance(event, Delta):
         if timing.first_token is None:
             timing.first_token = time.monotonic()
-        if event.text or (collector.want_logprobs and event.logprobs):
+        if collector.want_logprobs and event.logprobs:
             yield sse_event(
                 collector.chunk(
                     event.index,
@@ -898,6 +898,8 @@ def _stream_chunks(
                     include_usage=include_usage,
                 )
             )
+        elif event.text:
+            yield collector.content_event(event.index, event.text, include_usage=include_usage)
     elif isinstance(event, Finished):
         collector.finish(event.index, event.reason, event.completion_tokens)
         reason = collector.choices[event.index].finish_reason

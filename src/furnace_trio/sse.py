@@ -24,6 +24,11 @@ SSE_HEADERS = {
 }
 
 
+#: Stands for a content chunk's text while its frame is serialized (private-use characters,
+#: which JSON keeps as they are, so the quoted placeholder appears verbatim in the bytes).
+_HOLE = "\ue000furnace-text\ue000"
+
+
 def dumps(value: object) -> str:
     """Compact JSON, UTF-8 kept as is (the body is encoded as UTF-8 once)."""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
@@ -32,6 +37,9 @@ def dumps(value: object) -> str:
 def sse_event(value: object) -> bytes:
     """One SSE ``data:`` event. JSON never contains a raw newline, so one line suffices."""
     return f"data: {dumps(value)}\n\n".encode()
+
+
+_HOLE_JSON = dumps(_HOLE).encode()
 
 
 def _bytes_list(value: object) -> list[int] | None:
@@ -108,6 +116,8 @@ class Collector:
     want_logprobs: bool = False
     cached_tokens: int = 0
     choices: list[Choice] = field(default_factory=list)
+    #: (choice index, include_usage) -> the bytes before and after a content chunk's text.
+    _frames: dict[tuple[int, bool], tuple[bytes, bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.choices = [Choice() for _ in range(self.n)]
@@ -200,6 +210,31 @@ class Collector:
         offset = choice.text_length
         if text:
             choice.text_length += len(text)
+        return self._chunk_body(index, text, role, logprobs, finish_reason, include_usage, offset)
+
+    def content_event(self, index: int, text: str, *, include_usage: bool = False) -> bytes:
+        """The SSE event of a chunk that carries only ``text`` (no role, logprobs or
+        finish): the same bytes as ``sse_event(self.chunk(index, text=text, ...))``, from
+        a frame serialized once per choice, so a token costs one string escape."""
+        choice = self.choices[index]
+        choice.text_length += len(text)
+        frame = self._frames.get((index, include_usage))
+        if frame is None:
+            body = self._chunk_body(index, _HOLE, False, (), None, include_usage, 0)
+            head, _, tail = sse_event(body).rpartition(_HOLE_JSON)
+            frame = self._frames[(index, include_usage)] = (head, tail)
+        return frame[0] + dumps(text).encode() + frame[1]
+
+    def _chunk_body(
+        self,
+        index: int,
+        text: str | None,
+        role: bool,
+        logprobs: Sequence[Any],
+        finish_reason: str | None,
+        include_usage: bool,
+        offset: int,
+    ) -> dict[str, Any]:
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
