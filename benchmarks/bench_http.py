@@ -122,10 +122,12 @@ async def run(
         return results
 
 
-def serve(quant: str, port: int) -> subprocess.Popen[bytes]:
+def serve(
+    quant: str, port: int, extra_env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     # "int8-torch" / "none-torch": the same without the native kernels (the baseline).
     name, _, kernels = quant.partition("-")
-    env = dict(os.environ, FURNACE_QUANT=name, FURNACE_LOG_LEVEL="WARNING")
+    env = dict(os.environ, FURNACE_QUANT=name, FURNACE_LOG_LEVEL="WARNING", **(extra_env or {}))
     env["FURNACE_NATIVE"] = "0" if kernels == "torch" else "1"
     cmd = [sys.executable, "-m", "hypercorn", "-c", str(ROOT / "hypercorn.toml")]
     cmd += ["--bind", f"127.0.0.1:{port}", "--access-logfile", "/dev/null"]

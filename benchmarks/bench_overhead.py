@@ -1,25 +1,25 @@
-"""What the HTTP and Trio layers cost a single stream: engine level vs over HTTP, interleaved.
+"""What the HTTP and Trio layers cost: engine level vs over HTTP, interleaved, in one run.
 
 The same runtime (``--quant``, default q4) twice on this machine: a hypercorn server in a
 subprocess (as ``bench_http.py`` starts it) and an in-process Engine on its own model thread
-(as ``bench_engine.py`` runs it). Each round runs ``--requests`` streaming requests of one
-stream (greedy, ``ignore_eos``, ``--max-tokens``) on every side, one side at a time (the
-others' threads sleep), in an order that rotates from round to round, so every side sees
-the same moments of this machine's memory bandwidth, which drifts by tens of percent within
-a minute. A side's speed is compared with the engine's in the same round; the table gives
-the median and the quartiles of those ratios over the rounds.
+(as ``bench_engine.py`` runs it). Each round runs ``--streams`` concurrent streams (default
+1) of ``--requests`` streaming requests each (greedy, ``ignore_eos``, ``--max-tokens``) on
+every side, one side at a time (the others' threads sleep), in an order that rotates from
+round to round, so every side sees the same moments of this machine's memory bandwidth,
+which drifts by tens of percent within a minute. A side's speed is compared with the
+engine's in the same round; the table gives the median and the quartiles of those ratios.
 
 Two HTTP clients: ``raw`` (a blocking socket, HTTP/1.1 by hand, SSE events counted per read:
 what the server costs, with as little client as possible on the same 2 cores) and ``httpx``
 (an asyncio ``httpx.AsyncClient`` parsing every chunk as JSON, as ``bench_http.py`` does).
 
-CPU time per token is read per thread (``/proc/<pid>/task/*/schedstat``): the Trio thread (the
-server's, or this process's for the engine side), the model's threads (the model thread
+CPU time per token is read per thread (``/proc/<pid>/task/*/schedstat``): the Trio thread
+(the server's, or this process's for the engine side), the model's threads (the model thread
 and its OpenMP team), and the client's thread. On 2 cores every millisecond a thread other
 than the model's spends during a step is taken from the step.
 
-    python benchmarks/bench_overhead.py [--rounds 16] [--requests 1] [--max-tokens 64]
-                                        [--client both|raw|httpx]
+    python benchmarks/bench_overhead.py [--streams 1] [--rounds 16] [--requests 1]
+                                        [--max-tokens 64] [--client both|raw|httpx]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import json
 import os
 import socket
 import statistics
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -90,18 +91,17 @@ def measured(pid: int, trio_tid: int, run: Callable[[], tuple[int, float, float,
     return Round(tokens, seconds, itl, trio_cpu, sum(delta.values()), client)
 
 
-def raw_requests(
-    port: int, model: str, requests: int, max_tokens: int
-) -> tuple[int, float, float, float]:
-    """Requests on one keep-alive connection with a lean client: a blocking loopback
-    socket, HTTP/1.1 written by hand, SSE events counted per read, one JSON parse per
-    request (the usage chunk)."""
+def raw_stream(
+    port: int, model: str, first: int, requests: int, max_tokens: int
+) -> tuple[int, list[float], float]:
+    """One stream's requests on one keep-alive connection with a lean client: a blocking
+    loopback socket, HTTP/1.1 written by hand, SSE events counted per read, one JSON parse
+    per request (the usage chunk). Returns tokens, ITLs and this thread's CPU seconds."""
     tokens = 0
     itl: list[float] = []
     cpu = time.thread_time()
-    start = time.perf_counter()
     with socket.create_connection(("127.0.0.1", port)) as sock:
-        for r in range(requests):
+        for r in range(first, first + requests):
             body = json.dumps(
                 {
                     "model": model,
@@ -136,11 +136,33 @@ def raw_requests(
             at = received.rindex(b"data: {")
             usage = json.loads(received[at + 6 : received.index(b"\n\n", at)])["usage"]
             tokens += usage["completion_tokens"]
-    return tokens, time.perf_counter() - start, pct(itl, 50), time.thread_time() - cpu
+    return tokens, itl, time.thread_time() - cpu
+
+
+def raw_requests(
+    port: int, model: str, streams: int, requests: int, max_tokens: int
+) -> tuple[int, float, float, float]:
+    """``streams`` concurrent raw streams (a thread each) of ``requests`` requests."""
+    out: list[tuple[int, list[float], float]] = []
+
+    def stream(w: int) -> None:
+        out.append(raw_stream(port, model, w * requests, requests, max_tokens))
+
+    workers = [threading.Thread(target=stream, args=(w,)) for w in range(streams)]
+    start = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    seconds = time.perf_counter() - start
+    if len(out) != streams:
+        raise RuntimeError("a client stream failed")
+    itl = [i for _, itls, _ in out for i in itls]
+    return sum(t for t, _, _ in out), seconds, pct(itl, 50), sum(c for _, _, c in out)
 
 
 def httpx_requests(
-    base_url: str, model: str, requests: int, max_tokens: int
+    base_url: str, model: str, streams: int, requests: int, max_tokens: int
 ) -> tuple[int, float, float, float]:
     """The same with httpx, on a plain thread with its own asyncio loop (httpx's async
     backend must not see the Trio run of the engine side)."""
@@ -149,7 +171,7 @@ def httpx_requests(
         cpu = time.thread_time()
         headers = {"x-bench-model": model}
         async with httpx.AsyncClient(base_url=base_url, timeout=600, headers=headers) as client:
-            r = await http_loop(client, list(PROMPTS), 1, requests, max_tokens)
+            r = await http_loop(client, list(PROMPTS), streams, requests, max_tokens)
         return r.tokens, r.seconds, pct(r.itl, 50), time.thread_time() - cpu
 
     out: list[tuple[int, float, float, float]] = []
@@ -166,8 +188,8 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 
 def report(sides: list[Side], args: argparse.Namespace) -> None:
     print(
-        f"\none stream, {args.quant}, max_tokens={args.max_tokens}, {args.rounds} rounds x "
-        f"{args.requests} request(s) per side; medians over rounds; '/ engine': each round's "
+        f"\n{args.streams} stream(s), {args.quant}, max_tokens={args.max_tokens}, {args.rounds} rounds x "
+        f"{args.requests} request(s) per stream per side; medians over rounds; '/ engine': each round's "
         "tok/s over the engine's in the same round, median [quartiles]; CPU in ms per token\n"
     )
     print("| side | tok/s | ITL p50 ms | / engine | Trio thread | model threads | client |")
@@ -191,35 +213,68 @@ def report(sides: list[Side], args: argparse.Namespace) -> None:
         )
 
 
+@dataclass
+class Server:
+    """A hypercorn server in a subprocess and the pid of its worker (where the app runs)."""
+
+    label: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    worker: int = 0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def start_server(label: str, quant: str, extra_env: dict[str, str]) -> Server:
+    port = free_port()
+    server = Server(label, serve(quant, port, extra_env), port)
+    wait_ready(server.base_url, server.proc)
+    with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
+        server.worker = int(f.read().split()[-1])  # hypercorn's worker process
+    return server
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quant", default="q4")
     parser.add_argument("--rounds", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=1)
+    parser.add_argument("--streams", type=int, default=1)
+    parser.add_argument("--requests", type=int, default=1, help="per stream")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--client", choices=["both", "raw", "httpx"], default="both")
+    parser.add_argument(
+        "--also-env",
+        metavar="KEY=VALUE,...",
+        help="a second server with this extra environment, measured with the raw client "
+        "(an A/B of a server setting in the same run)",
+    )
     args = parser.parse_args()
     print(f"machine: {machine()}")
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    proc = serve(args.quant, port)
     clients = ["raw", "httpx"] if args.client == "both" else [args.client]
-    sides = [Side("engine")] + [Side(f"HTTP ({c})") for c in clients]
+    servers: list[Server] = []
     try:
-        wait_ready(base_url, proc)
-        model = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
-        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-            server = int(f.read().split()[-1])  # hypercorn's worker process
+        servers.append(start_server("", args.quant, {}))
+        if args.also_env:
+            extra = dict(item.split("=", 1) for item in args.also_env.split(","))
+            servers.append(start_server(f", {args.also_env}", args.quant, extra))
+        model = httpx.get(f"{servers[0].base_url}/v1/models").json()["data"][0]["id"]
         thread = ModelThread()
         loaded = thread.call(load_model, None)
         settings = RunnerConfig(device="cpu", kv_cache_bytes=512 << 20, quantization=args.quant)
         runner = thread.call(ModelRunner.from_loaded, loaded, settings)
         prompts = [chat_ids(loaded, p) for p in PROMPTS]
 
-        def http(client: str, requests: int) -> tuple[int, float, float, float]:
+        def http(server: Server, client: str, streams: int) -> tuple[int, float, float, float]:
             if client == "raw":
-                return raw_requests(port, model, requests, args.max_tokens)
-            return httpx_requests(base_url, model, requests, args.max_tokens)
+                return raw_requests(server.port, model, streams, args.requests, args.max_tokens)
+            return httpx_requests(server.base_url, model, streams, args.requests, args.max_tokens)
+
+        # (side, server, client) for every HTTP side; the engine side is sides[0].
+        http_sides = [(Side(f"HTTP ({c})"), servers[0], c) for c in clients]
+        http_sides += [(Side(f"HTTP (raw{s.label})"), s, "raw") for s in servers[1:]]
+        sides = [Side("engine")] + [side for side, _, _ in http_sides]
 
         async def rounds() -> None:
             engine = make_engine(runner, thread, loaded)
@@ -227,15 +282,15 @@ def main() -> None:
 
             def engine_side() -> tuple[int, float, float, float]:
                 r = trio.from_thread.run(
-                    engine_loop, engine, prompts, 1, args.requests, args.max_tokens
+                    engine_loop, engine, prompts, args.streams, args.requests, args.max_tokens
                 )
                 return r.tokens, r.seconds, pct(r.itl, 50), 0.0
 
             async with trio.open_nursery() as nursery:
                 await nursery.start(engine.run)
                 await engine_loop(engine, prompts, 1, 1, 4)  # warm-up
-                for client in clients:
-                    http(client, 1)  # warm-up (blocks: nothing else runs)
+                for _, server, client in http_sides:
+                    http(server, client, 1)  # warm-up (blocks: nothing else runs)
                 for k in range(args.rounds):
                     order = list(range(len(sides)))
                     order = order[k % len(order) :] + order[: k % len(order)]
@@ -245,8 +300,11 @@ def main() -> None:
                             # from a worker thread so the Trio thread's CPU is all engine.
                             r = await trio.to_thread.run_sync(measured, me, trio_tid, engine_side)
                         else:
+                            _, server, client = http_sides[i - 1]
                             r = measured(
-                                server, server, lambda c=clients[i - 1]: http(c, args.requests)
+                                server.worker,
+                                server.worker,
+                                lambda s=server, c=client: http(s, c, args.streams),
                             )
                         sides[i].rounds.append(r)
                 engine.shutdown()
@@ -254,8 +312,9 @@ def main() -> None:
 
         trio.run(rounds)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        for server in servers:
+            server.proc.terminate()
+            server.proc.wait(timeout=30)
     report(sides, args)
 
 
