@@ -44,6 +44,41 @@ async def test_exceptions_reach_the_caller() -> None:
     thread.close()
 
 
+class _Fatal(BaseException):
+    """Not an Exception: still handed to the caller, and the thread keeps serving."""
+
+
+async def test_base_exceptions_reach_the_caller() -> None:
+    thread = ModelThread()
+
+    def fatal() -> None:
+        raise _Fatal("stop")
+
+    with pytest.raises(_Fatal, match="stop"):
+        await thread.run(fatal)
+    assert await thread.run(lambda: 42) == 42
+    thread.close()
+
+
+def test_a_call_outliving_its_trio_run_does_not_stop_the_thread() -> None:
+    """The run that waited is over when the call ends (its result has nowhere to go)."""
+    thread = ModelThread()
+    release = threading.Event()
+
+    def slow() -> str:
+        release.wait(10)
+        return "late"
+
+    async def give_up() -> None:
+        with trio.move_on_after(0.05):
+            await thread.run(slow)
+
+    trio.run(give_up)
+    release.set()
+    assert thread.submit(lambda: "alive").result(timeout=10) == "alive"
+    thread.close()
+
+
 async def test_a_cancelled_call_is_abandoned_and_later_calls_queue_behind_it() -> None:
     thread = ModelThread()
     release = threading.Event()
