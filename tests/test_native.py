@@ -322,7 +322,7 @@ def test_q4_linear_matches_reference(
     )
     for bias in (None, torch.randn(out_features)):
         out = torch.empty(rows, out_features)
-        kernels.q4_linear(x, packed, bias, out)
+        kernels.grouped_linear(4, x, packed, bias, out)
         want = _q4_reference(x, q, d, m, bias)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
 
@@ -336,26 +336,27 @@ def test_q4_linear_zero_groups_and_rows(kernels: native.Kernels) -> None:
     x[1, 32:64] = 0.0
     bias = torch.randn(70)
     out = torch.empty(3, 70)
-    kernels.q4_linear(x, kernels.pack_q4(q, d, m), bias, out)
+    kernels.grouped_linear(4, x, kernels.pack_q4(q, d, m), bias, out)
     assert torch.equal(out[0], bias)
     torch.testing.assert_close(out, _q4_reference(x, q, d, m, bias), rtol=1e-5, atol=1e-4)
 
 
-def test_q4_linear_rows_are_batch_invariant(kernels: native.Kernels) -> None:
+@pytest.mark.parametrize("bits", [4, 8])
+def test_grouped_linear_rows_are_batch_invariant(kernels: native.Kernels, bits: int) -> None:
     """A row's output is bitwise the same alone and at any place in any batch: its
     activation codes, scales and sums come from the row alone."""
-    torch.manual_seed(0)
-    q, d, m = quantize_q4(torch.randn(1030, 576))
-    packed = kernels.pack_q4(q, d, m)
+    torch.manual_seed(bits)
+    w = torch.randn(1030, 576)
+    packed = kernels.pack_q4(*quantize_q4(w)) if bits == 4 else kernels.pack_q8(*quantize_q8(w))
     x = torch.randn(1, 576)
     alone = torch.empty(1, 1030)
-    kernels.q4_linear(x, packed, None, alone)
-    for neighbours in (1, 2, 3, 4, 6, 7, 15, 31):
+    kernels.grouped_linear(bits, x, packed, None, alone)
+    for neighbours in (1, 2, 3, 4, 6, 7, 9, 15, 20, 31):
         others = torch.randn(neighbours, 576) * torch.logspace(-3, 3, neighbours)[:, None]
-        for at in (0, neighbours // 2, neighbours):
+        for at in (0, 1, neighbours // 2, neighbours):
             batch = torch.cat([others[:at], x, others[at:]])
             out = torch.empty(len(batch), 1030)
-            kernels.q4_linear(batch, packed, None, out)
+            kernels.grouped_linear(bits, batch, packed, None, out)
             assert torch.equal(out[at], alone[0]), (neighbours, at)
 
 
@@ -379,25 +380,10 @@ def test_q8_linear_matches_reference(
     rounded, _ = _q8_activations(x, 32)
     for bias in (None, torch.randn(out_features)):
         out = torch.empty(rows, out_features)
-        kernels.q8_linear(x, packed, bias, out)
+        kernels.grouped_linear(8, x, packed, bias, out)
         want = rounded.double() @ dequantize_q8(q, d).double().T
         want = (want if bias is None else want + bias.double()).float()
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
-
-
-def test_q8_linear_rows_are_batch_invariant(kernels: native.Kernels) -> None:
-    torch.manual_seed(5)
-    q, d = quantize_q8(torch.randn(300, 192))
-    packed = kernels.pack_q8(q, d)
-    x = torch.randn(1, 192)
-    alone = torch.empty(1, 300)
-    kernels.q8_linear(x, packed, None, alone)
-    for neighbours in (1, 3, 4, 9, 20):
-        others = torch.randn(neighbours, 192) * torch.logspace(-3, 3, neighbours)[:, None]
-        batch = torch.cat([others[:1], x, others[1:]])
-        out = torch.empty(len(batch), 300)
-        kernels.q8_linear(batch, packed, None, out)
-        assert torch.equal(out[1], alone[0]), neighbours
 
 
 def test_native_q4_linear_layer(kernels: native.Kernels) -> None:

@@ -28,7 +28,7 @@ from torch import nn
 
 from . import native
 from .model_config import ModelConfig
-from .quant import NativeInt8Linear, NativeQ4Linear, NativeQ8Linear
+from .quant import NativeLinear
 
 
 @dataclass(frozen=True, slots=True)
@@ -591,16 +591,10 @@ class Transformer(nn.Module):
                 layer.mlp.down_proj,
             )
             for linear in linears:
-                if isinstance(linear, NativeQ4Linear):
-                    rows += [native.LINEAR_Q4, linear.packed.data_ptr(), 0]
-                elif isinstance(linear, NativeQ8Linear):
-                    rows += [native.LINEAR_Q8, linear.packed.data_ptr(), 0]
-                elif isinstance(linear, NativeInt8Linear):
-                    rows += [native.LINEAR_W8, linear.packed.data_ptr(), linear.scale.data_ptr()]
-                else:
+                if not isinstance(linear, NativeLinear):
                     self._layer_ptrs = (cache, None)
                     return None
-                rows.append(0 if linear.bias is None else linear.bias.data_ptr())
+                rows += linear.table_row()
             rows += [
                 layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(),

@@ -151,21 +151,7 @@ class Kernels:
             rows.append(padded.view(panels, p, groups).transpose(1, 2))
         return torch.cat(rows, dim=2).contiguous().view(torch.uint8)
 
-    def q4_linear(
-        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
-    ) -> None:
-        """``out = x @ W.T (+ bias)`` for ``packed`` from :meth:`pack_q4`, with each row's
-        activations quantized per group of ``q4_group`` (int8, scale max|x| / 127);
-        ``x`` ``[M, K]`` float32 contiguous, ``out`` ``[M, N]``."""
-        self._grouped_linear(4, x, packed, bias, out)
-
-    def q8_linear(
-        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
-    ) -> None:
-        """:meth:`q4_linear` for ``packed`` from :meth:`pack_q8`."""
-        self._grouped_linear(8, x, packed, bias, out)
-
-    def _grouped_linear(
+    def grouped_linear(
         self,
         bits: int,
         x: torch.Tensor,
@@ -173,6 +159,10 @@ class Kernels:
         bias: torch.Tensor | None,
         out: torch.Tensor,
     ) -> None:
+        """``out = x @ W.T (+ bias)`` for ``packed`` from :meth:`pack_q4` (``bits`` 4) or
+        :meth:`pack_q8` (``bits`` 8), with each row's activations quantized per group of
+        ``q4_group`` (int8, scale max|x| / 127); ``x`` ``[M, K]`` float32 contiguous,
+        ``out`` ``[M, N]``."""
         m, k = x.shape
         scratch = torch.empty(m * k + 2 * m * (k // self.q4_group), dtype=torch.float32)
         self._qx_linear(

@@ -146,12 +146,16 @@ def dequantize_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return (q.reshape(n, k // Q4_GROUP, Q4_GROUP).float() * d.float()[..., None]).reshape(n, k)
 
 
-class _NativeLinear(nn.Module):
+class NativeLinear(nn.Module):
     """What the native layers share: the float32 ``[..., in]`` -> ``[..., out]`` call of
     :class:`furnace_trio.model.Linear`, over a packed weight the subclass multiplies in
-    :meth:`_multiply`."""
+    :meth:`_multiply`, and the layer's entry in ``furnace_decode_layers``' table."""
 
     label = ""
+    #: What :func:`quantize_linears` counts the layer as.
+    counts_as = ""
+    #: The layer's kind in ``furnace_decode_layers``' table (``native.LINEAR_*``).
+    table_kind = -1
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.Kernels
@@ -162,9 +166,16 @@ class _NativeLinear(nn.Module):
             None if bias is None else bias.detach().float().contiguous()
         )
         self._kernels = kernels
+        self.packed = torch.empty(0, dtype=torch.uint8)
 
     def _multiply(self, x: torch.Tensor, out: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def table_row(self) -> list[int]:
+        """Kind, packed weight, scale (0 where the packing holds its scales) and bias
+        addresses: this linear's entries in ``furnace_decode_layers``' table."""
+        bias = 0 if self.bias is None else self.bias.data_ptr()
+        return [self.table_kind, self.packed.data_ptr(), 0, bias]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -177,48 +188,55 @@ class _NativeLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.label}"
 
 
-class NativeQ4Linear(_NativeLinear):
-    """``y = x @ W.T (+ b)`` with ``W`` in 4-bit groups (:func:`quantize_q4`) and the
-    activations rounded per row and group to int8 in the kernel (CPU, native kernel).
-    ``codes``: ``quantize_q4(weight)`` when the caller has it already."""
+class _GroupedLinear(NativeLinear):
+    """Weights in groups of :data:`Q4_GROUP` inputs (Q4_1 or Q8_0, ``bits``) against
+    activations rounded per row and group to int8 in the kernel. ``codes``: the
+    subclass's ``quantize(weight)`` when the caller has it already."""
 
-    label = "4-bit (native)"
+    bits = 0
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
 
     def __init__(
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         kernels: native.Kernels,
-        codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        codes: tuple[torch.Tensor, ...] | None = None,
     ) -> None:
         super().__init__(weight, bias, kernels)
-        self.packed = kernels.pack_q4(*(quantize_q4(weight) if codes is None else codes))
+        codes = self.quantize(weight) if codes is None else codes
+        self.packed = kernels.pack_q4(*codes) if self.bits == 4 else kernels.pack_q8(*codes)
 
     def _multiply(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        self._kernels.q4_linear(x, self.packed, self.bias, out)
+        self._kernels.grouped_linear(self.bits, x, self.packed, self.bias, out)
 
 
-class NativeQ8Linear(_NativeLinear):
+class NativeQ4Linear(_GroupedLinear):
+    """``y = x @ W.T (+ b)`` with ``W`` in 4-bit groups (:func:`quantize_q4`) and the
+    activations rounded per row and group to int8 in the kernel (CPU, native kernel)."""
+
+    label = "4-bit (native)"
+    counts_as = "q4"
+    table_kind = native.LINEAR_Q4
+    bits = 4
+    quantize = staticmethod(quantize_q4)
+
+
+class NativeQ8Linear(_GroupedLinear):
     """``y = x @ W.T (+ b)`` with ``W`` in Q8_0 groups (:func:`quantize_q8`) and the
     activations rounded like :class:`NativeQ4Linear`'s (CPU, native kernel)."""
 
     label = "Q8_0 (native)"
-
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        kernels: native.Kernels,
-        codes: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
-        super().__init__(weight, bias, kernels)
-        self.packed = kernels.pack_q8(*(quantize_q8(weight) if codes is None else codes))
-
-    def _multiply(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        self._kernels.q8_linear(x, self.packed, self.bias, out)
+    counts_as = "q8"
+    table_kind = native.LINEAR_Q8
+    bits = 8
+    quantize = staticmethod(quantize_q8)
 
 
-class NativeInt8Linear(_NativeLinear):
+class NativeInt8Linear(NativeLinear):
     """``y = x @ (q * scale).T (+ b)``: int8 weights, float32 activations (CPU, native kernel).
 
     The weight is kept only in the kernel's packed layout
@@ -226,6 +244,8 @@ class NativeInt8Linear(_NativeLinear):
     """
 
     label = "int8 (native)"
+    counts_as = "int8"
+    table_kind = native.LINEAR_W8
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.Kernels
@@ -234,6 +254,11 @@ class NativeInt8Linear(_NativeLinear):
         q, scale = quantize_weight(weight)
         self.packed = kernels.pack_w8(q)
         self.scale = scale.float().contiguous()
+
+    def table_row(self) -> list[int]:
+        row = super().table_row()
+        row[2] = self.scale.data_ptr()
+        return row
 
     def _multiply(self, x: torch.Tensor, out: torch.Tensor) -> None:
         self._kernels.w8_linear(x, self.packed, self.scale, self.bias, out)
@@ -345,8 +370,7 @@ def quantize_linears(
                 raise TypeError(f"{name}.weight is not a tensor")
             b = None if bias is None else bias.data
             layer = _quantized(name, weight.data, b, kernels, four_bit)
-            kind = {NativeQ4Linear: "q4", NativeQ8Linear: "q8"}.get(type(layer), "int8")
-            counts[kind] += 1
+            counts[layer.counts_as if isinstance(layer, NativeLinear) else "int8"] += 1
             setattr(module, name, layer)
         else:
             for kind, n in quantize_linears(child, linear_type, kernels, four_bit).items():
