@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from furnace_trio.loader import LoadedModel
+from furnace_trio.runner import RunnerConfig
 
 PROMPTS: tuple[str, ...] = (
     "What is the capital of France? Answer in one sentence.",
@@ -33,6 +34,19 @@ PROMPTS: tuple[str, ...] = (
     "Write a short thank-you note to a teacher.",
     "Explain recursion with a simple example.",
 )
+
+
+def runtime_config(runtime: str, kv_cache_bytes: int = 512 << 20) -> RunnerConfig:
+    """The CPU runner for a benchmark runtime name: a quantization (``q4``, ``int8``,
+    ``none``), or one with ``-torch`` (``int8-torch``, ``none-torch``): the same without the
+    native kernels (the baseline before them)."""
+    quantization, _, kernels = runtime.partition("-")
+    return RunnerConfig(
+        device="cpu",
+        kv_cache_bytes=kv_cache_bytes,
+        quantization=quantization,
+        native=kernels != "torch",
+    )
 
 
 def chat_ids(loaded: LoadedModel, prompt: str) -> list[int]:

@@ -22,13 +22,21 @@ from dataclasses import dataclass
 
 import torch
 import trio
-from _common import PROMPTS, chat_ids, long_prompt_ids, machine, pct, transformers_model
+from _common import (
+    PROMPTS,
+    chat_ids,
+    long_prompt_ids,
+    machine,
+    pct,
+    runtime_config,
+    transformers_model,
+)
 
 from furnace_trio.engine import Delta, Engine, EngineConfig, GenerationRequest
 from furnace_trio.loader import LoadedModel, load_model
 from furnace_trio.model_thread import ModelThread
 from furnace_trio.params import SamplingParams
-from furnace_trio.runner import ModelRunner, RunnerConfig
+from furnace_trio.runner import ModelRunner
 
 
 @dataclass
@@ -168,13 +176,8 @@ def main() -> None:
     loader.close()
     ours: dict[str, tuple[list[Result], float]] = {}
     for quant in args.quant.split(","):
-        # "int8-torch" / "none-torch": the same without the native kernels (the baseline).
-        name, _, kernels = quant.partition("-")
-        settings = RunnerConfig(
-            device="cpu", kv_cache_bytes=512 << 20, quantization=name, native=kernels != "torch"
-        )
         thread = ModelThread()
-        runner = thread.call(ModelRunner.from_loaded, loaded, settings)
+        runner = thread.call(ModelRunner.from_loaded, loaded, runtime_config(quant))
         ours[quant] = trio.run(run_engine, runner, thread, loaded, workloads, max_tokens)
         del runner
     ref = transformers_figures(loaded, max_tokens)

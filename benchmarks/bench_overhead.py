@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import trio
-from _common import PROMPTS, chat_ids, machine, pct
+from _common import PROMPTS, chat_ids, machine, pct, runtime_config
 from bench_engine import closed_loop as engine_loop
 from bench_engine import make_engine
 from bench_http import closed_loop as http_loop
@@ -46,7 +46,7 @@ from bench_http import free_port, serve, wait_ready
 
 from furnace_trio.loader import load_model
 from furnace_trio.model_thread import ModelThread
-from furnace_trio.runner import ModelRunner, RunnerConfig
+from furnace_trio.runner import ModelRunner
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
@@ -262,8 +262,7 @@ def main() -> None:
         model = httpx.get(f"{servers[0].base_url}/v1/models").json()["data"][0]["id"]
         thread = ModelThread()
         loaded = thread.call(load_model, None)
-        settings = RunnerConfig(device="cpu", kv_cache_bytes=512 << 20, quantization=args.quant)
-        runner = thread.call(ModelRunner.from_loaded, loaded, settings)
+        runner = thread.call(ModelRunner.from_loaded, loaded, runtime_config(args.quant))
         prompts = [chat_ids(loaded, p) for p in PROMPTS]
 
         def http(server: Server, client: str, streams: int) -> tuple[int, float, float, float]:

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import PROMPTS, chat_ids, machine
+from _common import PROMPTS, chat_ids, machine, runtime_config
 
 from furnace_trio.loader import load_model
 from furnace_trio.plan import ChunkPlan, StepPlan
-from furnace_trio.runner import ModelRunner, RunnerConfig
+from furnace_trio.runner import ModelRunner
 
 STEPS = 64
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "perplexity.txt"
@@ -67,13 +67,8 @@ def main() -> None:
     text_ids = loaded.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     alone: dict[str, list[list[int]]] = {}
     runners: dict[str, ModelRunner] = {}
-    # "int8-torch": the fbgemm int8 path used without the native kernels, for comparison.
     for quant in quants:
-        name, _, kernels = quant.partition("-")
-        settings = RunnerConfig(
-            device="cpu", kv_cache_bytes=256 << 20, quantization=name, native=kernels != "torch"
-        )
-        runner = ModelRunner.from_loaded(loaded, settings)
+        runner = ModelRunner.from_loaded(loaded, runtime_config(quant, 256 << 20))
         runners[quant] = runner
         alone[quant] = [greedy(runner, [p], STEPS)[0] for p in prompts]
         batched = greedy(runner, prompts, STEPS)

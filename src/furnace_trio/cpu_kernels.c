@@ -831,7 +831,7 @@ int furnace_layer_ptrs(void) { return LAYER_PTRS; }
 #define PTR(type, i) ((type)(intptr_t)p[i])
 
 /* The linear layer whose four table entries start at p[i]: y = x W^T (+ b). qs: scratch
- * for quantized activations (4-bit layers), M * K floats. */
+ * for quantized activations (Q4_1 and Q8_0 layers), M * K floats (more than they need). */
 static void table_linear(const int64_t *p, int i, const float *x, int64_t M, int64_t K,
                          int64_t N, float *y, float *qs) {
     if (p[i] == LINEAR_Q4 || p[i] == LINEAR_Q8)

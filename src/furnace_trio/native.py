@@ -164,7 +164,8 @@ class Kernels:
         ``q4_group`` (int8, scale max|x| / 127); ``x`` ``[M, K]`` float32 contiguous,
         ``out`` ``[M, N]``."""
         m, k = x.shape
-        scratch = torch.empty(m * k + 2 * m * (k // self.q4_group), dtype=torch.float32)
+        # The kernel's scratch: a scale and a sum per row and group, then M * K int8 codes.
+        scratch = torch.empty(2 * m * (k // self.q4_group) + -(-m * k // 4), dtype=torch.float32)
         self._qx_linear(
             bits,
             x.data_ptr(),
