@@ -50,7 +50,10 @@ def serve(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Engine-level and HTTP speed against transformers, and q4 / int8 quality (about 15 minutes).
+    """Speed (engine, HTTP, the HTTP side and its stack per token) and quality (~17 min).
+
+    Engine-level and HTTP speed against transformers, what the HTTP side and the serving
+    stack under it cost per token, and q4 / int8 quality.
 
     ``nox -s bench -- --quick`` is a smoke run of the two speed benchmarks.
     """
@@ -61,6 +64,7 @@ def bench(session: nox.Session) -> None:
     if "--quick" not in session.posargs:
         session.run("python", "bench_overhead.py")
         session.run("python", "bench_overhead.py", "--streams", "16", "--rounds", "6")
+        session.run("python", "bench_stack.py")
         session.run("python", "bench_quality.py")
 
 
