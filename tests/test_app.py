@@ -13,6 +13,8 @@ import openai
 import pytest
 import trio
 
+from furnace_trio.engine import EngineConfig
+
 from . import scripted
 from .http_server import ANSWERS, MODEL_NAME, Served, serve_scripted
 
@@ -109,6 +111,29 @@ async def test_chat_stream_n2_with_usage(served: Served) -> None:
     assert len(usage_chunks) == 1
     assert usage_chunks[0].completion_tokens == len(ANSWERS[0]) + len(ANSWERS[1])
     await served.wait_idle()
+
+
+async def test_chat_stream_with_a_stream_interval() -> None:
+    """stream_interval 3: the first token alone, then chunks of three, the rest at the end."""
+    async with serve_scripted(engine_config=EngineConfig(stream_interval=3)) as served:
+        contents: list[str] = []
+        usage = None
+        async with client(served) as c:
+            stream = await c.chat.completions.create(
+                model=MODEL_NAME,
+                messages=MESSAGES,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            async for chunk in stream:
+                usage = chunk.usage or usage
+                for choice in chunk.choices:
+                    if choice.delta.content:
+                        contents.append(choice.delta.content)
+        # scripted tokens are single characters: "Hello world" is 11 tokens
+        assert contents == ["H", "ell", "o w", "orl", "d"]
+        assert usage is not None and usage.completion_tokens == len(ANSWERS[0])
+        await served.wait_idle()
 
 
 async def test_chat_stream_raw_sse_framing(served: Served) -> None:

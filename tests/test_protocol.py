@@ -231,9 +231,11 @@ def test_server_config_from_env() -> None:
             "FURNACE_LOG_LEVEL": "debug",
             "FURNACE_KV_CACHE_MB": "",
             "FURNACE_QUANT": "q4",
+            "FURNACE_STREAM_INTERVAL": "4",
         }
     )
     assert config.quantization == "q4"
+    assert config.stream_interval == 4
     assert config.model == "/models/x.gguf" and config.device == "cpu"
     assert config.max_running == 4 and config.max_body_bytes == 1024
     assert config.api_key == "secret" and config.log_level == "DEBUG"
@@ -252,6 +254,7 @@ def test_server_config_from_env() -> None:
         ("FURNACE_LOG_LEVEL", "loud"),
         ("FURNACE_MAX_CONTEXT", "1.5"),
         ("FURNACE_QUANT", "int4"),
+        ("FURNACE_STREAM_INTERVAL", "0"),
     ],
 )
 def test_server_config_rejects_invalid_values(name: str, value: str) -> None:

@@ -63,6 +63,22 @@ def _warm_up(runner: ModelRunner) -> None:
     runner.logits(StepPlan((ChunkPlan(0, (0,), 8, table),)))
 
 
+def engine_config(config: ServerConfig, device_type: str) -> EngineConfig:
+    """The engine's settings: the server's, with the device's defaults for what it left unset."""
+    max_running, max_step_tokens = DEFAULT_LIMITS.get(device_type, DEFAULT_LIMITS["cpu"])
+    return EngineConfig(
+        max_running=config.max_running or max_running,
+        max_waiting=config.max_waiting,
+        max_step_tokens=config.max_step_tokens or max(max_step_tokens, config.max_running or 0),
+        session_ttl_s=config.session_ttl_s,
+        session_max_blocks=config.session_max_blocks,
+        max_sessions=config.max_sessions,
+        prefix_cache=config.prefix_cache,
+        step_timeout_s=config.step_timeout_s,
+        stream_interval=config.stream_interval,
+    )
+
+
 def load_backend(config: ServerConfig) -> Backend:
     """Load the configured model (default: the embedded SmolLM2) and build its engine."""
     from .loader import LoadedModel, load_model
@@ -92,22 +108,12 @@ def load_backend(config: ServerConfig) -> Backend:
         thread.close()
         raise
     tokenizer = loaded.tokenizer
-    max_running, max_step_tokens = DEFAULT_LIMITS.get(device.type, DEFAULT_LIMITS["cpu"])
     engine = Engine(
         runner,
         decode=tokenizer.decode,
         eos_token_ids=tokenizer.eos_token_ids,
         token_bytes=tokenizer.token_to_bytes,
-        config=EngineConfig(
-            max_running=config.max_running or max_running,
-            max_waiting=config.max_waiting,
-            max_step_tokens=config.max_step_tokens or max(max_step_tokens, config.max_running or 0),
-            session_ttl_s=config.session_ttl_s,
-            session_max_blocks=config.session_max_blocks,
-            max_sessions=config.max_sessions,
-            prefix_cache=config.prefix_cache,
-            step_timeout_s=config.step_timeout_s,
-        ),
+        config=engine_config(config, device.type),
         model_thread=thread,
     )
     logger.info("loaded %s in %.1f s", loaded.name, time.monotonic() - started)

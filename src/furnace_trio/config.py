@@ -57,6 +57,7 @@ class ServerConfig:
     max_sessions: int = 1024
     prefix_cache: bool = True
     step_timeout_s: float = 120.0
+    stream_interval: int = 1
     drain_timeout_s: float = 30.0
     exit_on_engine_failure: bool = False
 
@@ -77,7 +78,7 @@ class ServerConfig:
             raise ConfigError(
                 f"log level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
             )
-        for name in ("max_waiting", "max_body_bytes"):
+        for name in ("max_waiting", "max_body_bytes", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
         if self.session_ttl_s <= 0:
@@ -133,6 +134,7 @@ class ServerConfig:
         max_waiting = integer("FURNACE_MAX_WAITING")
         max_step_tokens = integer("FURNACE_MAX_STEP_TOKENS")
         max_body_bytes = integer("FURNACE_MAX_BODY_BYTES")
+        stream_interval = integer("FURNACE_STREAM_INTERVAL")
         return cls(
             model=text("FURNACE_MODEL"),
             model_name=text("FURNACE_MODEL_NAME"),
@@ -157,6 +159,7 @@ class ServerConfig:
             step_timeout_s=_positive_float(
                 environ, "FURNACE_STEP_TIMEOUT_S", defaults.step_timeout_s
             ),
+            stream_interval=stream_interval or defaults.stream_interval,
             drain_timeout_s=_positive_float(
                 environ, "FURNACE_DRAIN_TIMEOUT_S", defaults.drain_timeout_s, allow_zero=True
             ),

@@ -11,7 +11,10 @@ and :meth:`Engine.abort`, which run on the same Trio thread, so there are no loc
   step runs joins the next step (continuous batching).
 - Tokens go out with ``send_nowait`` on each request's unbounded channel (bounded in
   practice by ``max_tokens``), so the engine never waits on a slow client; a closed
-  channel means the client left, and the request is aborted.
+  channel means the client left, and the request is aborted. With ``stream_interval``
+  N > 1, a sample's first token goes out at once and the rest in groups of N (and at its
+  end), each group one message and one :class:`Delta`: the consumer's task wakes, and the
+  HTTP layer writes a chunk, once per group instead of once per token.
 - Text work runs in the consumer's task, in :meth:`RequestStream.__anext__`: incremental
   detokenization and stop strings cost the engine loop nothing, and a stop-string match
   ends its sample through the same synchronous abort path as a disconnect.
@@ -106,6 +109,10 @@ class EngineConfig:
     max_sessions: int = 1024
     prefix_cache: bool = True  # reuse cached KV of equal prompt prefixes
     step_timeout_s: float | None = None  # watchdog: a longer step kills the engine
+    # A sample's tokens after its first reach its stream in groups of this many (and at its
+    # end): fewer, larger deltas, less work per token above the model (vLLM's
+    # --stream-interval). 1 streams every token.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:
@@ -124,6 +131,8 @@ class EngineConfig:
             raise ValueError("max_step_tokens must be at least max_running")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError("max_context must be at least 2")
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be at least 1")
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -238,8 +247,10 @@ class GenerationRequest:
 
 @dataclass(frozen=True, slots=True)
 class _Token:
+    """Tokens of sample ``index``, in order: one, or up to ``stream_interval`` held back."""
+
     index: int
-    token: SampledToken
+    tokens: tuple[SampledToken, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +284,8 @@ class _Request:
     last_token_at: list[float | None]
     first_token_at: float | None = None
     any_length: bool = False
+    # per sample index, tokens held back for the next group (stream_interval > 1)
+    held: dict[int, list[SampledToken]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -622,7 +635,16 @@ class Engine:
                 if last is not None:
                     metrics.inter_token_latency.observe(now - last)
                 request.last_token_at[output.index] = now
-                if not self._send(request, _Token(output.index, output.token)):
+                if last is None or self.config.stream_interval == 1:
+                    message = _Token(output.index, (output.token,))
+                else:
+                    held = request.held.setdefault(output.index, [])
+                    held.append(output.token)
+                    if len(held) < self.config.stream_interval and output.finish is None:
+                        continue
+                    message = _Token(output.index, tuple(held))
+                    held.clear()
+                if not self._send(request, message):
                     continue
             if output.finish is not None:
                 self._finish_sample(request, output.index, output.finish)
@@ -638,6 +660,9 @@ class Engine:
 
     def _finish_sample(self, request: _Request, index: int, reason: FinishReason) -> None:
         if request.done[index]:
+            return
+        held = request.held.pop(index, None)
+        if held and not self._send(request, _Token(index, tuple(held))):
             return
         request.done[index] = True
         request.live -= 1
@@ -800,7 +825,7 @@ class RequestStream:
 
     def _handle(self, message: _Message) -> None:
         if isinstance(message, _Token):
-            self._on_token(message.index, message.token)
+            self._on_tokens(message.index, message.tokens)
         elif isinstance(message, _Finish):
             self._on_finish(message.index, message.reason.value)
         elif isinstance(message, Failed):
@@ -809,22 +834,27 @@ class RequestStream:
         else:
             self._ready.append(message)
 
-    def _on_token(self, index: int, token: SampledToken) -> None:
+    def _on_tokens(self, index: int, tokens: tuple[SampledToken, ...]) -> None:
+        """One delta for the tokens of a message (unless they make no text yet)."""
         sample = self._samples[index]
-        if sample.finished:
-            return  # a stop string ended it; tokens in flight are dropped
-        sample.completion_tokens += 1
-        sample.token_ids.append(token.token_id)
-        if self._want_logprobs:
-            sample.logprobs.append(self._logprob_entry(token))
-        text = sample.detokenizer.feed(token.token_id)
-        if sample.stops is not None:
-            text, matched = sample.stops.feed(text)
-            if matched:
-                self._end_sample(index, text, "stop")
-                self._engine._stop_sample(self.request_id, index)
-                self._commit_turn(index)
-                return
+        texts: list[str] = []
+        for token in tokens:
+            if sample.finished:
+                return  # a stop string ended it; tokens in flight are dropped
+            sample.completion_tokens += 1
+            sample.token_ids.append(token.token_id)
+            if self._want_logprobs:
+                sample.logprobs.append(self._logprob_entry(token))
+            text = sample.detokenizer.feed(token.token_id)
+            if sample.stops is not None:
+                text, matched = sample.stops.feed(text)
+                if matched:
+                    self._end_sample(index, "".join(texts) + text, "stop")
+                    self._engine._stop_sample(self.request_id, index)
+                    self._commit_turn(index)
+                    return
+            texts.append(text)
+        text = texts[0] if len(texts) == 1 else "".join(texts)
         if text or self._want_logprobs:
             self._emit_delta(index, text)
 
