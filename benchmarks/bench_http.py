@@ -135,10 +135,13 @@ def serve(
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
 
 
-def wait_ready(base_url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
+def wait_ready(
+    base_url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 300
+) -> None:
+    """Until ``/health`` answers 200 (the model is loaded); fails if ``proc`` exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise RuntimeError("the server exited during startup")
         try:
             if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:

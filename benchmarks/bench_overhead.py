@@ -1,8 +1,12 @@
 """What the HTTP and Trio layers cost: engine level vs over HTTP, interleaved, in one run.
 
-The same runtime (``--quant``, default q4) twice on this machine: a hypercorn server in a
-subprocess (as ``bench_http.py`` starts it) and an in-process Engine on its own model thread
-(as ``bench_engine.py`` runs it). Each round runs ``--streams`` concurrent streams (default
+The same runtime (``--quant``, default q4) on this machine: an Engine on its own model
+thread in this process (as ``bench_engine.py`` runs it); the app served by hypercorn in
+this process too, over that same engine (same weights, same KV cache, same threads), with
+the raw client in a process of its own (``_raw_client.py``); and a hypercorn server in a
+subprocess (as ``bench_http.py`` starts it, as users run it). Two processes' copies of
+the weights can differ in speed by several percent (where their pages fall in memory), as
+much as the whole HTTP side costs; the same-process side has none of that. Each round runs ``--streams`` concurrent streams (default
 1) of ``--requests`` streaming requests each (greedy, ``ignore_eos``, ``--max-tokens``) on
 every side, one side at a time (the others' threads sleep), in an order that rotates from
 round to round, so every side sees the same moments of this machine's memory bandwidth,
@@ -28,22 +32,29 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import trio
 from _common import PROMPTS, chat_ids, machine, pct, runtime_config
+from _raw_client import raw_requests
 from bench_engine import closed_loop as engine_loop
 from bench_engine import make_engine
 from bench_http import closed_loop as http_loop
 from bench_http import free_port, serve, wait_ready
+from hypercorn.config import Config
+from hypercorn.trio import serve as serve_asgi
 
+from furnace_trio.app import create_app
+from furnace_trio.backend import Backend
+from furnace_trio.config import ServerConfig
 from furnace_trio.loader import load_model
 from furnace_trio.model_thread import ModelThread
 from furnace_trio.runner import ModelRunner
@@ -89,76 +100,6 @@ def measured(pid: int, trio_tid: int, run: Callable[[], tuple[int, float, float,
     delta = {tid: cpu - before.get(tid, 0.0) for tid, cpu in after.items()}
     trio_cpu = delta.pop(trio_tid, 0.0)
     return Round(tokens, seconds, itl, trio_cpu, sum(delta.values()), client)
-
-
-def raw_stream(
-    port: int, model: str, first: int, requests: int, max_tokens: int
-) -> tuple[int, list[float], float]:
-    """One stream's requests on one keep-alive connection with a lean client: a blocking
-    loopback socket, HTTP/1.1 written by hand, SSE events counted per read, one JSON parse
-    per request (the usage chunk). Returns tokens, ITLs and this thread's CPU seconds."""
-    tokens = 0
-    itl: list[float] = []
-    cpu = time.thread_time()
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        for r in range(first, first + requests):
-            body = json.dumps(
-                {
-                    "model": model,
-                    "messages": [{"role": "user", "content": PROMPTS[r % len(PROMPTS)]}],
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
-            ).encode()
-            head = (
-                "POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-            )
-            sock.sendall(head.encode() + body)
-            received = bytearray()
-            last: float | None = None
-            while not received.endswith(b"\r\n0\r\n\r\n"):  # the last chunk of the body
-                data = sock.recv(1 << 16)
-                if not data:
-                    raise ConnectionError("the server closed the connection")
-                now = time.perf_counter()
-                events = data.count(b'"content":"') - data.count(b'"content":""')
-                if events:
-                    if last is not None:
-                        itl.extend([(now - last) / events] * events)
-                    last = now
-                received += data
-            if b" 200 " not in received[:16]:
-                raise RuntimeError(received[:300].decode(errors="replace"))
-            at = received.rindex(b"data: {")
-            usage = json.loads(received[at + 6 : received.index(b"\n\n", at)])["usage"]
-            tokens += usage["completion_tokens"]
-    return tokens, itl, time.thread_time() - cpu
-
-
-def raw_requests(
-    port: int, model: str, streams: int, requests: int, max_tokens: int
-) -> tuple[int, float, float, float]:
-    """``streams`` concurrent raw streams (a thread each) of ``requests`` requests."""
-    out: list[tuple[int, list[float], float]] = []
-
-    def stream(w: int) -> None:
-        out.append(raw_stream(port, model, w * requests, requests, max_tokens))
-
-    workers = [threading.Thread(target=stream, args=(w,)) for w in range(streams)]
-    start = time.perf_counter()
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    seconds = time.perf_counter() - start
-    if len(out) != streams:
-        raise RuntimeError("a client stream failed")
-    itl = [i for _, itls, _ in out for i in itls]
-    return sum(t for t, _, _ in out), seconds, pct(itl, 50), sum(c for _, _, c in out)
 
 
 def httpx_requests(
@@ -236,6 +177,36 @@ def start_server(label: str, quant: str, extra_env: dict[str, str]) -> Server:
     return server
 
 
+class ClientProcess:
+    """``_raw_client.py`` in a process of its own: the client of the server that runs in
+    this process, which must not share its interpreter (nor its GIL)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("_raw_client.py"))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def requests(
+        self, port: int, model: str, streams: int, requests: int, max_tokens: int
+    ) -> tuple[int, float, float, float]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        command = [port, model, list(PROMPTS), streams, requests, max_tokens]
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the client process ended (its error is above)")
+        tokens, seconds, itl, cpu = json.loads(line)
+        return tokens, seconds, itl, cpu
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quant", default="q4")
@@ -254,6 +225,7 @@ def main() -> None:
     print(f"machine: {machine()}")
     clients = ["raw", "httpx"] if args.client == "both" else [args.client]
     servers: list[Server] = []
+    client_process = ClientProcess()
     try:
         servers.append(start_server("", args.quant, {}))
         if args.also_env:
@@ -267,17 +239,25 @@ def main() -> None:
 
         def http(server: Server, client: str, streams: int) -> tuple[int, float, float, float]:
             if client == "raw":
-                return raw_requests(server.port, model, streams, args.requests, args.max_tokens)
+                return raw_requests(
+                    server.port, model, PROMPTS, streams, args.requests, args.max_tokens
+                )
             return httpx_requests(server.base_url, model, streams, args.requests, args.max_tokens)
 
-        # (side, server, client) for every HTTP side; the engine side is sides[0].
+        # sides[0]: the engine; sides[1]: the server in this process over that same engine;
+        # then (side, server, client) for every server in a process of its own.
         http_sides = [(Side(f"HTTP ({c})"), servers[0], c) for c in clients]
         http_sides += [(Side(f"HTTP (raw{s.label})"), s, "raw") for s in servers[1:]]
-        sides = [Side("engine")] + [side for side, _, _ in http_sides]
+        sides = [Side("engine"), Side("HTTP (raw, same process)")]
+        sides += [side for side, _, _ in http_sides]
 
         async def rounds() -> None:
             engine = make_engine(runner, thread, loaded)
             me, trio_tid = os.getpid(), threading.get_native_id()
+            port = free_port()
+
+            def backend(config: ServerConfig) -> Backend:
+                return Backend(engine, loaded.tokenizer, model, runner.max_context)
 
             def engine_side() -> tuple[int, float, float, float]:
                 r = trio.from_thread.run(
@@ -285,32 +265,47 @@ def main() -> None:
                 )
                 return r.tokens, r.seconds, pct(r.itl, 50), 0.0
 
+            def same_process_side() -> tuple[int, float, float, float]:
+                return client_process.requests(
+                    port, model, args.streams, args.requests, args.max_tokens
+                )
+
+            config = Config()
+            config.bind = [f"127.0.0.1:{port}"]
+            config.accesslog = None
+            config.errorlog = None
+            app = create_app(ServerConfig(log_level="WARNING"), backend_factory=backend)
             async with trio.open_nursery() as nursery:
-                await nursery.start(engine.run)
+                # The app runs the engine (its lifespan starts it), which the engine side
+                # also drives directly: one engine, one set of weights, one process.
+                await nursery.start(serve_asgi, app, config)
+                await trio.to_thread.run_sync(wait_ready, f"http://127.0.0.1:{port}")
                 await engine_loop(engine, prompts, 1, 1, 4)  # warm-up
+                await trio.to_thread.run_sync(client_process.requests, port, model, 1, 1, 4)
                 for _, server, client in http_sides:
                     http(server, client, 1)  # warm-up (blocks: nothing else runs)
                 for k in range(args.rounds):
                     order = list(range(len(sides)))
                     order = order[k % len(order) :] + order[: k % len(order)]
                     for i in order:
-                        if i == 0:
-                            # The engine's loop runs in this Trio run; the clock is read
-                            # from a worker thread so the Trio thread's CPU is all engine.
-                            r = await trio.to_thread.run_sync(measured, me, trio_tid, engine_side)
+                        if i < 2:
+                            # Both serve from this Trio run; the clock is read from a
+                            # worker thread, so the Trio thread's CPU is all theirs.
+                            run = engine_side if i == 0 else same_process_side
+                            r = await trio.to_thread.run_sync(measured, me, trio_tid, run)
                         else:
-                            _, server, client = http_sides[i - 1]
+                            _, server, client = http_sides[i - 2]
                             r = measured(
                                 server.worker,
                                 server.worker,
                                 lambda s=server, c=client: http(s, c, args.streams),
                             )
                         sides[i].rounds.append(r)
-                engine.shutdown()
                 nursery.cancel_scope.cancel()
 
         trio.run(rounds)
     finally:
+        client_process.close()
         for server in servers:
             server.proc.terminate()
             server.proc.wait(timeout=30)

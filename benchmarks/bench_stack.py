@@ -37,11 +37,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import httpx
 import trio
 from _common import machine
 from bench_engine import closed_loop
-from bench_http import free_port
+from bench_http import free_port, wait_ready
 from hypercorn.config import Config
 from hypercorn.trio import serve
 from quart import Response, request
@@ -104,15 +103,6 @@ class SleepRunner:
             for chunk in plan.chunks
             for spec in chunk.samples
         ]
-
-
-def wait_ready(base_url: str, timeout: float = 60) -> None:
-    """Until the app's backend (started in the background) answers ``/health``."""
-    deadline = time.monotonic() + timeout
-    while httpx.get(f"{base_url}/health").status_code != 200:
-        if time.monotonic() > deadline:
-            raise TimeoutError("the app did not become ready")
-        time.sleep(0.1)
 
 
 def get_request(chunks: int) -> bytes:
