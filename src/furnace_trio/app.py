@@ -857,16 +857,7 @@ async def _stream_body(
                 if stream.session_id is not None:
                     first["session_id"] = stream.session_id
                 yield sse_event(first)
-        plain = tools is None and not collector.want_logprobs
         async for engine_event in stream:
-            if plain and type(engine_event) is Delta and engine_event.text:
-                # Most events of a stream: one token's text (the general path, inlined).
-                if timing.first_token is None:
-                    timing.first_token = time.monotonic()
-                yield collector.content_event(
-                    engine_event.index, engine_event.text, include_usage=include_usage
-                )
-                continue
             events = tools.translate(engine_event) if tools is not None else [engine_event]
             for event in events:
                 for chunk in _stream_chunks(event, collector, timing, include_usage):

@@ -854,7 +854,7 @@ class RequestStream:
                     self._commit_turn(index)
                     return
             texts.append(text)
-        text = texts[0] if len(texts) == 1 else "".join(texts)
+        text = "".join(texts)
         if text or self._want_logprobs:
             self._emit_delta(index, text)
 
