@@ -36,16 +36,19 @@ PROMPTS: tuple[str, ...] = (
 )
 
 
-def runtime_config(runtime: str, kv_cache_bytes: int = 512 << 20) -> RunnerConfig:
-    """The CPU runner for a benchmark runtime name: a quantization (``q4``, ``int8``,
-    ``none``), or one with ``-torch`` (``int8-torch``, ``none-torch``): the same without the
-    native kernels (the baseline before them)."""
+def split_runtime(runtime: str) -> tuple[str, bool]:
+    """A benchmark runtime name -> (quantization, native kernels): a quantization (``q4``,
+    ``int8``, ``none``), or one with ``-torch`` (``int8-torch``, ``none-torch``): the same
+    without the native kernels (the baseline before them)."""
     quantization, _, kernels = runtime.partition("-")
+    return quantization, kernels != "torch"
+
+
+def runtime_config(runtime: str, kv_cache_bytes: int = 512 << 20) -> RunnerConfig:
+    """The CPU runner for a benchmark runtime name (:func:`split_runtime`)."""
+    quantization, native = split_runtime(runtime)
     return RunnerConfig(
-        device="cpu",
-        kv_cache_bytes=kv_cache_bytes,
-        quantization=quantization,
-        native=kernels != "torch",
+        device="cpu", kv_cache_bytes=kv_cache_bytes, quantization=quantization, native=native
     )
 
 

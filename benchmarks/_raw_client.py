@@ -1,9 +1,9 @@
 """The benchmarks' lean HTTP client: blocking loopback sockets, HTTP/1.1 written by hand.
 
-Standard library only, so it also runs as a client process of its own (``python
-_raw_client.py``: one JSON command per stdin line, ``[port, model, prompts, streams,
-requests, max_tokens]``, one JSON result per stdout line), for a server that runs inside
-the benchmark's own process, whose interpreter the client must not share.
+Standard library only, so it also runs as a client process of its own
+(:class:`ClientProcess`: one JSON command per stdin line, one JSON result per stdout
+line), for a server that runs inside the benchmark's own process, whose interpreter (and
+GIL) the client must not share.
 """
 
 from __future__ import annotations
@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 
 def _p50(values: list[float]) -> float:
@@ -91,10 +94,72 @@ def raw_requests(
     return sum(t for t, _, _ in out), seconds, _p50(itl), sum(c for _, _, c in out)
 
 
+def fetch(port: int, request: bytes) -> tuple[str, int]:
+    """Send one raw ``request`` and read the response until its chunked body ends (or the
+    server closes); its status code and the number of SSE events in it."""
+    body = bytearray()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(request)
+        while not body.endswith(b"\r\n0\r\n\r\n"):
+            data = sock.recv(1 << 16)
+            if not data:
+                break
+            body += data
+    return body[9:12].decode(errors="replace"), body.count(b"data: ")
+
+
+class ClientProcess:
+    """This module in a process of its own; its methods block until the answer comes."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def _call(self, command: list[object]) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the client process ended (its error is above)")
+        return json.loads(line)
+
+    def requests(
+        self,
+        port: int,
+        model: str,
+        prompts: Sequence[str],
+        streams: int,
+        requests: int,
+        max_tokens: int,
+    ) -> tuple[int, float, float, float]:
+        """:func:`raw_requests` in the client process."""
+        command = ["requests", port, model, list(prompts), streams, requests, max_tokens]
+        tokens, seconds, itl, cpu = self._call(command)
+        return int(tokens), float(seconds), float(itl), float(cpu)
+
+    def fetch(self, port: int, request: bytes) -> tuple[str, int]:
+        """:func:`fetch` in the client process."""
+        status, events = self._call(["fetch", port, request.hex()])
+        return str(status), int(events)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def main() -> None:
     for line in sys.stdin:
-        port, model, prompts, streams, requests, max_tokens = json.loads(line)
-        result = raw_requests(port, model, prompts, streams, requests, max_tokens)
+        kind, *args = json.loads(line)
+        if kind == "fetch":
+            port, request = args
+            result: object = fetch(port, bytes.fromhex(request))
+        else:
+            result = raw_requests(*args)
         print(json.dumps(result), flush=True)
 
 

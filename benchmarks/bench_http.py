@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from _common import PROMPTS, machine, pct
+from _common import PROMPTS, machine, pct, split_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -125,10 +125,9 @@ async def run(
 def serve(
     quant: str, port: int, extra_env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
-    # "int8-torch" / "none-torch": the same without the native kernels (the baseline).
-    name, _, kernels = quant.partition("-")
+    name, native = split_runtime(quant)
     env = dict(os.environ, FURNACE_QUANT=name, FURNACE_LOG_LEVEL="WARNING", **(extra_env or {}))
-    env["FURNACE_NATIVE"] = "0" if kernels == "torch" else "1"
+    env["FURNACE_NATIVE"] = "1" if native else "0"
     cmd = [sys.executable, "-m", "hypercorn", "-c", str(ROOT / "hypercorn.toml")]
     cmd += ["--bind", f"127.0.0.1:{port}", "--access-logfile", "/dev/null"]
     cmd += ["furnace_trio.app:app"]

@@ -30,21 +30,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import trio
 from _common import PROMPTS, chat_ids, machine, pct, runtime_config
-from _raw_client import raw_requests
+from _raw_client import ClientProcess, raw_requests
 from bench_engine import closed_loop as engine_loop
 from bench_engine import make_engine
 from bench_http import closed_loop as http_loop
@@ -177,36 +174,6 @@ def start_server(label: str, quant: str, extra_env: dict[str, str]) -> Server:
     return server
 
 
-class ClientProcess:
-    """``_raw_client.py`` in a process of its own: the client of the server that runs in
-    this process, which must not share its interpreter (nor its GIL)."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("_raw_client.py"))],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-
-    def requests(
-        self, port: int, model: str, streams: int, requests: int, max_tokens: int
-    ) -> tuple[int, float, float, float]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        command = [port, model, list(PROMPTS), streams, requests, max_tokens]
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the client process ended (its error is above)")
-        tokens, seconds, itl, cpu = json.loads(line)
-        return tokens, seconds, itl, cpu
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quant", default="q4")
@@ -267,7 +234,7 @@ def main() -> None:
 
             def same_process_side() -> tuple[int, float, float, float]:
                 return client_process.requests(
-                    port, model, args.streams, args.requests, args.max_tokens
+                    port, model, PROMPTS, args.streams, args.requests, args.max_tokens
                 )
 
             config = Config()
@@ -281,7 +248,9 @@ def main() -> None:
                 await nursery.start(serve_asgi, app, config)
                 await trio.to_thread.run_sync(wait_ready, f"http://127.0.0.1:{port}")
                 await engine_loop(engine, prompts, 1, 1, 4)  # warm-up
-                await trio.to_thread.run_sync(client_process.requests, port, model, 1, 1, 4)
+                await trio.to_thread.run_sync(
+                    client_process.requests, port, model, PROMPTS, 1, 1, 4
+                )
                 for _, server, client in http_sides:
                     http(server, client, 1)  # warm-up (blocks: nothing else runs)
                 for k in range(args.rounds):

@@ -31,14 +31,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import trio
 from _common import machine
+from _raw_client import ClientProcess
 from bench_engine import closed_loop
 from bench_http import free_port, wait_ready
 from hypercorn.config import Config
@@ -64,25 +63,6 @@ CHUNK = (
     b'"finish_reason":null}]}\n\n'
 )
 ROWS = ("wake", "socket", "trio", "hypercorn", "quart", "engine", "furnace")
-
-# The client: one process for the whole run. Each stdin line is a port and a request (hex);
-# it sends the request, reads the response until its chunked body's last chunk (or until
-# the server closes: requests say "Connection: close") and answers with the status line's
-# code and the number of SSE events it got.
-CLIENT = r"""
-import socket, sys
-for line in sys.stdin:
-    port, request = line.split()
-    body = bytearray()
-    with socket.create_connection(("127.0.0.1", int(port))) as sock:
-        sock.sendall(bytes.fromhex(request))
-        while not body.endswith(b"\r\n0\r\n\r\n"):
-            data = sock.recv(1 << 16)
-            if not data:
-                break
-            body += data
-    print(body[9:12].decode(errors="replace"), body.count(b"data: "), flush=True)
-"""
 
 
 class SleepRunner:
@@ -194,9 +174,7 @@ def quart_app(thread: ModelThread, step_s: float) -> QuartTrio:
     return app
 
 
-async def main_async(
-    args: argparse.Namespace, client: subprocess.Popen[str]
-) -> dict[str, list[float]]:
+async def main_async(args: argparse.Namespace, client: ClientProcess) -> dict[str, list[float]]:
     step_s = args.step_ms / 1000
     tokenizer = Tokenizer.from_gguf(default_model_path())
     token = tokenizer.encode(" the", add_special_tokens=False)[0]
@@ -225,11 +203,8 @@ async def main_async(
 
     def exchange(port: int, request: bytes, expected: int) -> None:
         """One request through the client; fails unless ``expected`` events arrived."""
-        assert client.stdin is not None and client.stdout is not None
-        client.stdin.write(f"{port} {request.hex()}\n")
-        client.stdin.flush()
-        status, events = client.stdout.readline().split()
-        if status != "200" or int(events) < expected:
+        status, events = client.fetch(port, request)
+        if status != "200" or events < expected:
             raise RuntimeError(f"port {port}: status {status}, {events} events")
 
     async def measure(row: str) -> float:
@@ -306,14 +281,11 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=8.0)
     args = parser.parse_args()
     print(machine())
-    client = subprocess.Popen(
-        [sys.executable, "-c", CLIENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+    client = ClientProcess()
     try:
         cpu = trio.run(main_async, args, client)
     finally:
-        client.kill()
-        client.wait()
+        client.close()
     report(cpu, args)
 
 
