@@ -178,12 +178,14 @@ def test_paged_decode_attention_matches_sdpa(
     kernels: native.Kernels, heads: int, kv_heads: int, head_dim: int, cache_dtype: torch.dtype
 ) -> None:
     gen = torch.Generator().manual_seed(heads)
-    lengths = [1, 5, 16, 17, 150]
+    # One position, part of a block, block edges, and contexts of one, two, three and
+    # sixteen chunks of 64 positions (the chunks are merged in a second pass).
+    lengths = [1, 5, 16, 17, 64, 65, 150, 1000]
     # Values a float16 cache holds exactly, so both cache types have one reference.
     keys = [torch.randn(n, kv_heads, head_dim, generator=gen).half().float() for n in lengths]
     values = [torch.randn(n, kv_heads, head_dim, generator=gen).half().float() for n in lengths]
-    k_cache, tables = _paged(keys, 16, 40, torch.Generator().manual_seed(7))
-    v_cache, _ = _paged(values, 16, 40, torch.Generator().manual_seed(7))  # same tables
+    k_cache, tables = _paged(keys, 16, 120, torch.Generator().manual_seed(7))
+    v_cache, _ = _paged(values, 16, 120, torch.Generator().manual_seed(7))  # same tables
     k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     q = torch.randn(len(lengths), heads, head_dim, generator=gen)
     out = torch.empty_like(q)
@@ -199,6 +201,34 @@ def test_paged_decode_attention_matches_sdpa(
             enable_gqa=True,
         )[:, 0]
         torch.testing.assert_close(out[i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_attention_is_batch_invariant(kernels: native.Kernels) -> None:
+    """A sequence's attention is bitwise the same alone and beside any other sequences:
+    its context is cut into chunks by its own length, never by the batch."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [300, 7, 1000, 64, 129]
+    keys = [torch.randn(n, 3, 64, generator=gen) for n in lengths]
+    values = [torch.randn(n, 3, 64, generator=gen) for n in lengths]
+    k_cache, tables = _paged(keys, 16, 120, torch.Generator().manual_seed(5))
+    v_cache, _ = _paged(values, 16, 120, torch.Generator().manual_seed(5))
+    k_cache, v_cache = k_cache.half(), v_cache.half()
+    q = torch.randn(len(lengths), 9, 64, generator=gen)
+    ctx = torch.tensor(lengths, dtype=torch.int64)
+    batch = torch.empty_like(q)
+    kernels.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, batch)
+    for i in range(len(lengths)):
+        alone = torch.empty(1, 9, 64)
+        kernels.paged_decode_attention(
+            q[i : i + 1],
+            k_cache,
+            v_cache,
+            tables[i : i + 1].contiguous(),
+            ctx[i : i + 1],
+            0.125,
+            alone,
+        )
+        assert torch.equal(alone[0], batch[i]), lengths[i]
 
 
 def test_add_rmsnorm(kernels: native.Kernels) -> None:

@@ -577,11 +577,17 @@ void furnace_qx_linear(int bits, const float *x, int64_t M, int64_t K, const uin
 /* Decode attention over a paged KV cache: one query token per sequence.
  * q: [S, H, D]; k_cache, v_cache: [blocks, block_size, KV, D]; tables: [S, max_blocks];
  * ctx: [S] keys per sequence (the new token's key already written); out: [S, H, D].
- * One task per (sequence, KV head): the H / KV query heads of the group share every key
- * and value read. Exact softmax in two passes over the task's scores. */
-#define ATT_MAX_GROUP 64
+ *
+ * A sequence's context is cut into chunks of ATT_CHUNK positions, and each chunk is one
+ * task for every head (split-K, as flash-decoding does): a task reads each position's keys
+ * and values for all KV heads, which lie side by side in the cache, so it streams whole
+ * cache lines instead of one head's rows at a stride, and a single long sequence still
+ * gives every thread work. A task leaves, per head, its maximum score, the sum of the
+ * exponentials and their weighted sum of values; a second pass merges a sequence's chunks
+ * in order. The chunks depend on the context length alone, so a sequence's result is the
+ * same in any batch and on any number of threads. */
+#define ATT_CHUNK 64
 #define ATT_PREFETCH 6
-#define ATT_STACK_SCORES 16384
 
 /* sc[p] = exp(sc[p] - shift), returning the sum. */
 static float exp_shifted(float *sc, int64_t n, float shift) {
@@ -608,102 +614,146 @@ static ALWAYS_INLINE float kv_at(const void *base, int64_t i, const int half) {
     return half ? h2f(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
-static ALWAYS_INLINE void attend_one(const float *qh, const void *k_cache, const void *v_cache,
-                                     const int64_t *table, int64_t n, int64_t kvh, int64_t KV,
-                                     int64_t D, int64_t group, int64_t block_size, float scale,
-                                     float *scores, float *o, const int half) {
-    float mx[ATT_MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
-    const int64_t dv = D - D % VW;
+/* Positions [p0, p1) of one sequence (p1 - p0 <= ATT_CHUNK), every head. qs: the
+ * sequence's [H, D] queries; sc: [H, ATT_CHUNK] scratch. Out, per head h: mx[h], the
+ * largest scaled score; l[h], the sum of exp(score - mx[h]); o[h * D ..], the sum of
+ * exp(score - mx[h]) times the values. */
+static ALWAYS_INLINE void attend_chunk(const float *qs, const void *k_cache, const void *v_cache,
+                                       const int64_t *table, int64_t p0, int64_t p1, int64_t H,
+                                       int64_t KV, int64_t D, int64_t block_size, float scale,
+                                       float *sc, float *mx, float *l, float *o, const int half) {
+    const int64_t group = H / KV, n = p1 - p0, dv = D - D % VW, width = KV * D;
 #if VW > 1
-    const int64_t row_bytes = D * (half ? 2 : 4);
+    const int64_t row_bytes = width * (half ? 2 : 4);
 #endif
-    for (int64_t p = 0; p < n; p++) {
-        const int64_t slot = table[p / block_size] * block_size + p % block_size;
-        const int64_t kp = (slot * KV + kvh) * D;
+    /* Each position's offset in the caches, found once (a division by the block size). */
+    int64_t rows[ATT_CHUNK];
+    for (int64_t p = p0; p < p1; p++)
+        rows[p - p0] = (table[p / block_size] * block_size + p % block_size) * width;
+    for (int64_t h = 0; h < H; h++) mx[h] = -INFINITY;
+    for (int64_t i = 0; i < n; i++) {
 #if VW > 1
-        /* Positions are scattered over blocks, a few rows of 128 to 256 bytes each: the
-         * hardware prefetcher does not follow them. Fetch both rows a few positions ahead
-         * (the values for the second pass too). */
-        if (p + ATT_PREFETCH < n) {
-            const int64_t ahead = p + ATT_PREFETCH;
-            const int64_t s2 = table[ahead / block_size] * block_size + ahead % block_size;
-            const int64_t off = (s2 * KV + kvh) * row_bytes;
+        /* Blocks are scattered: fetch a position's rows (keys, and values for the second
+         * pass) a few positions ahead, across block boundaries too. */
+        if (i + ATT_PREFETCH < n) {
+            const int64_t off = rows[i + ATT_PREFETCH] * (half ? 2 : 4);
             for (int64_t b = 0; b < row_bytes; b += 64) {
                 _mm_prefetch((const char *)k_cache + off + b, _MM_HINT_T0);
                 _mm_prefetch((const char *)v_cache + off + b, _MM_HINT_T0);
             }
         }
 #endif
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = qh + g * D;
+        for (int64_t h = 0; h < H; h++) {
+            const float *qh = qs + h * D;
+            const int64_t kp = rows[i] + (h / group) * D;
             vf acc = v_zero();
             for (int64_t d = 0; d < dv; d += VW)
-                acc = v_fma(v_load(qg + d), kv_vec(k_cache, kp + d, half), acc);
+                acc = v_fma(v_load(qh + d), kv_vec(k_cache, kp + d, half), acc);
             float dot = v_sum(acc);
-            for (int64_t d = dv; d < D; d++) dot += qg[d] * kv_at(k_cache, kp + d, half);
+            for (int64_t d = dv; d < D; d++) dot += qh[d] * kv_at(k_cache, kp + d, half);
             dot *= scale;
-            scores[g * n + p] = dot;
-            if (dot > mx[g]) mx[g] = dot;
+            sc[h * ATT_CHUNK + i] = dot;
+            if (dot > mx[h]) mx[h] = dot;
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        float *sc = scores + g * n;
-        const float total = exp_shifted(sc, n, mx[g]);
-        const float inv = 1.0f / total;
-        for (int64_t p = 0; p < n; p++) sc[p] *= inv;
-        memset(o + g * D, 0, sizeof(float) * D);
-    }
-    for (int64_t p = 0; p < n; p++) {
-        const int64_t slot = table[p / block_size] * block_size + p % block_size;
-        const int64_t vp = (slot * KV + kvh) * D;
-        for (int64_t g = 0; g < group; g++) {
-            const float wgt = scores[g * n + p];
-            float *og = o + g * D;
-            const vf wv = v_set1(wgt);
-            for (int64_t d = 0; d < dv; d += VW)
-                v_store(og + d, v_fma(wv, kv_vec(v_cache, vp + d, half), v_load(og + d)));
-            for (int64_t d = dv; d < D; d++) og[d] += wgt * kv_at(v_cache, vp + d, half);
+    for (int64_t h = 0; h < H; h++) l[h] = exp_shifted(sc + h * ATT_CHUNK, n, mx[h]);
+    /* Values: per head, blocks of four vectors of D kept in registers over the chunk. */
+    for (int64_t h = 0; h < H; h++) {
+        const float *w = sc + h * ATT_CHUNK;
+        const int64_t vo = (h / group) * D;
+        float *oh = o + h * D;
+        int64_t d0 = 0;
+        for (; d0 + 4 * VW <= D; d0 += 4 * VW) {
+            vf a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t vp = rows[i] + vo + d0;
+                const vf wv = v_set1(w[i]);
+                a0 = v_fma(wv, kv_vec(v_cache, vp, half), a0);
+                a1 = v_fma(wv, kv_vec(v_cache, vp + VW, half), a1);
+                a2 = v_fma(wv, kv_vec(v_cache, vp + 2 * VW, half), a2);
+                a3 = v_fma(wv, kv_vec(v_cache, vp + 3 * VW, half), a3);
+            }
+            v_store(oh + d0, a0);
+            v_store(oh + d0 + VW, a1);
+            v_store(oh + d0 + 2 * VW, a2);
+            v_store(oh + d0 + 3 * VW, a3);
+        }
+        for (; d0 < dv; d0 += VW) {
+            vf a = v_zero();
+            for (int64_t i = 0; i < n; i++)
+                a = v_fma(v_set1(w[i]), kv_vec(v_cache, rows[i] + vo + d0, half), a);
+            v_store(oh + d0, a);
+        }
+        for (; d0 < D; d0++) {
+            float a = 0.0f;
+            for (int64_t i = 0; i < n; i++) a += w[i] * kv_at(v_cache, rows[i] + vo + d0, half);
+            oh[d0] = a;
         }
     }
 }
 
-/* kv_half: the caches hold float16 (else float32). */
-void furnace_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
-                                    const int64_t *tables, int64_t max_blocks, const int64_t *ctx,
-                                    int64_t S, int64_t H, int64_t KV, int64_t D,
-                                    int64_t block_size, float scale, float *out, int kv_half) {
-    const int64_t group = H / KV;
-    const int64_t tasks = S * KV;
+/* kv_half: the caches hold float16 (else float32). Returns 0, or -1 when out of memory. */
+int furnace_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
+                                   const int64_t *tables, int64_t max_blocks, const int64_t *ctx,
+                                   int64_t S, int64_t H, int64_t KV, int64_t D,
+                                   int64_t block_size, float scale, float *out, int kv_half) {
+    /* first[s]: sequence s's first task; the tasks of all sequences, numbered in order. */
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (S + 1));
+    if (!first) return -1;
+    first[0] = 0;
+    for (int64_t s = 0; s < S; s++) first[s + 1] = first[s] + (ctx[s] + ATT_CHUNK - 1) / ATT_CHUNK;
+    const int64_t tasks = first[S], per_task = H * (D + 2);
+    /* Per task: mx [H], l [H], o [H, D]. */
+    float *part = (float *)malloc(sizeof(float) * (tasks > 0 ? tasks : 1) * per_task);
+    if (!part) {
+        free(first);
+        return -1;
+    }
 #pragma omp parallel if (tasks > 1)
     {
-        float stack_scores[ATT_STACK_SCORES];
-        float *heap = NULL;
-        int64_t capacity = 0;
-#pragma omp for schedule(static)
+        float sc[H * ATT_CHUNK]; /* a few KiB: H heads' scores for one chunk */
+        int64_t s = 0;
+#pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
-            const int64_t s = t / KV, kvh = t % KV, n = ctx[s];
-            float *scores = stack_scores;
-            if (n * group > ATT_STACK_SCORES) {
-                if (n * group > capacity) {
-                    free(heap);
-                    capacity = n * group;
-                    heap = (float *)malloc(sizeof(float) * capacity);
-                }
-                scores = heap;
-            }
-            const float *qh = q + (s * H + kvh * group) * D;
-            float *o = out + (s * H + kvh * group) * D;
+            while (first[s + 1] <= t) s++;
+            while (first[s] > t) s--;
+            const int64_t p0 = (t - first[s]) * ATT_CHUNK;
+            const int64_t p1 = p0 + ATT_CHUNK < ctx[s] ? p0 + ATT_CHUNK : ctx[s];
+            float *mx = part + t * per_task, *l = mx + H, *o = l + H;
             const int64_t *table = tables + s * max_blocks;
             if (kv_half)
-                attend_one(qh, k_cache, v_cache, table, n, kvh, KV, D, group, block_size, scale,
-                           scores, o, 1);
+                attend_chunk(q + s * H * D, k_cache, v_cache, table, p0, p1, H, KV, D,
+                             block_size, scale, sc, mx, l, o, 1);
             else
-                attend_one(qh, k_cache, v_cache, table, n, kvh, KV, D, group, block_size, scale,
-                           scores, o, 0);
+                attend_chunk(q + s * H * D, k_cache, v_cache, table, p0, p1, H, KV, D,
+                             block_size, scale, sc, mx, l, o, 0);
         }
-        free(heap);
+        /* Merge each sequence's chunks, in order. */
+#pragma omp for schedule(static)
+        for (int64_t sh = 0; sh < S * H; sh++) {
+            const int64_t seq = sh / H, h = sh % H;
+            float *dst = out + sh * D;
+            float top = -INFINITY;
+            for (int64_t t = first[seq]; t < first[seq + 1]; t++) {
+                const float m = part[t * per_task + h];
+                top = m > top ? m : top;
+            }
+            float total = 0.0f;
+            memset(dst, 0, sizeof(float) * D);
+            for (int64_t t = first[seq]; t < first[seq + 1]; t++) {
+                const float *mx = part + t * per_task;
+                const float f = expf(mx[h] - top);
+                total += f * mx[H + h];
+                const float *o = mx + 2 * H + h * D;
+                for (int64_t d = 0; d < D; d++) dst[d] += f * o[d];
+            }
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+            for (int64_t d = 0; d < D; d++) dst[d] *= inv;
+        }
     }
+    free(part);
+    free(first);
+    return 0;
 }
 
 /* ---- Elementwise pieces of a decoder layer, fused so a step makes few calls. ---- */
@@ -848,7 +898,7 @@ static void table_linear(const int64_t *p, int i, const float *x, int64_t M, int
  * last layer out (before the final norm). cos/sin/slots/tables/ctx/kv_half as for the
  * per-op kernels; scratch: at least S * (2 hidden + (H + 2 KV) D + (H + KV) D + H D + 3 I
  * + max(hidden, H D, I)) floats. */
-void furnace_decode_layers(int64_t L, const int64_t *ptrs, int64_t S, int64_t hidden,
+int furnace_decode_layers(int64_t L, const int64_t *ptrs, int64_t S, int64_t hidden,
                            int64_t H, int64_t KV, int64_t D, int64_t I, float eps, float *x,
                            const float *cos_t, const float *sin_t, const int64_t *slots,
                            const int64_t *tables, int64_t max_blocks, const int64_t *ctx,
@@ -870,8 +920,9 @@ void furnace_decode_layers(int64_t L, const int64_t *ptrs, int64_t S, int64_t hi
         table_linear(p, P_QKV, normed, S, hidden, width, qkv, qs);
         void *kc = PTR(void *, P_K_CACHE), *vc = PTR(void *, P_V_CACHE);
         furnace_rope_store(qkv, S, H, KV, D, cos_t, sin_t, slots, kc, vc, q, k, kv_half);
-        furnace_paged_decode_attention(q, kc, vc, tables, max_blocks, ctx, S, H, KV, D,
-                                       block_size, scale, att, kv_half);
+        if (furnace_paged_decode_attention(q, kc, vc, tables, max_blocks, ctx, S, H, KV, D,
+                                           block_size, scale, att, kv_half))
+            return -1;
         table_linear(p, P_O, att, S, H * D, hidden, h, qs);
         furnace_add_rmsnorm(x, h, S, hidden, PTR(const float *, P_POST_NORM), eps, normed);
         table_linear(p, P_GU, normed, S, hidden, 2 * I, gu, qs);
@@ -879,4 +930,5 @@ void furnace_decode_layers(int64_t L, const int64_t *ptrs, int64_t S, int64_t hi
         table_linear(p, P_DOWN, act, S, I, hidden, h, qs);
     }
     for (int64_t i = 0; i < S * hidden; i++) x[i] += h[i];
+    return 0;
 }

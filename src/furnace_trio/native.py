@@ -62,7 +62,7 @@ class Kernels:
         self._attention = lib.furnace_paged_decode_attention
         self._attention.argtypes = [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P]
         self._attention.argtypes += [ctypes.c_int]
-        self._attention.restype = None
+        self._attention.restype = ctypes.c_int
         self._add_rmsnorm = lib.furnace_add_rmsnorm
         self._add_rmsnorm.argtypes = [_P, _P, _I, _I, _P, ctypes.c_float, _P]
         self._add_rmsnorm.restype = None
@@ -84,7 +84,7 @@ class Kernels:
         self._f32_to_f16.argtypes = [_P, _I, _P]
         self._f16_to_f32 = lib.furnace_f16_to_f32
         self._f16_to_f32.argtypes = [_P, _I, _P]
-        self._decode_layers.restype = None
+        self._decode_layers.restype = ctypes.c_int
 
     def pack_w8(self, q: torch.Tensor) -> torch.Tensor:
         """``[N, K]`` int8 -> the kernel's panels ``[ceil(N / P), K, P]`` (outputs k-major
@@ -218,7 +218,7 @@ class Kernels:
         """
         s, h, d = q.shape
         _, block_size, kv, _ = k_cache.shape
-        self._attention(
+        failed = self._attention(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -234,6 +234,8 @@ class Kernels:
             out.data_ptr(),
             _kv_half(k_cache),
         )
+        if failed:
+            raise MemoryError("native decode attention: out of memory for its partial results")
 
     def add_rmsnorm(
         self,
@@ -306,7 +308,7 @@ class Kernels:
         """
         s = x.shape[0]
         scratch = torch.empty(s * dims.scratch_per_token, dtype=torch.float32)
-        self._decode_layers(
+        failed = self._decode_layers(
             layer_ptrs.shape[0] // self.layer_ptrs,
             layer_ptrs.data_ptr(),
             s,
@@ -328,6 +330,8 @@ class Kernels:
             kv_half,
             scratch.data_ptr(),
         )
+        if failed:
+            raise MemoryError("native decode attention: out of memory for its partial results")
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x.argmax(dim=-1)`` for ``x`` ``[M, N]`` float32 contiguous (first maximum; a NaN
