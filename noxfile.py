@@ -50,10 +50,12 @@ def serve(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Speed (engine, HTTP, the HTTP side and its stack per token) and quality (~17 min).
+    """Speed (engine, HTTP, the HTTP side and its stack per token, runner steps) and quality
+    (~19 min).
 
     Engine-level and HTTP speed against transformers, what the HTTP side and the serving
-    stack under it cost per token, and q4 / int8 quality.
+    stack under it cost per token, runner step times at contexts of 150 and 2,000 tokens,
+    and q4 / int8 quality.
 
     ``nox -s bench -- --quick`` is a smoke run of the two speed benchmarks.
     """
@@ -65,6 +67,7 @@ def bench(session: nox.Session) -> None:
         session.run("python", "bench_overhead.py")
         session.run("python", "bench_overhead.py", "--streams", "16", "--rounds", "6")
         session.run("python", "bench_stack.py")
+        session.run("python", "bench_step.py", "--quant", "auto", "--ctx", "150,2000")
         session.run("python", "bench_quality.py")
 
 

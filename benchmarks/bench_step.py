@@ -1,13 +1,15 @@
 """Runner-level step times: decode (1 and 16 sequences) and prefill chunks, A/B in one process.
 
 Not a test. Builds a :class:`ModelRunner` for each quantization and times ``runner.step``
-directly (no engine): a decode step of 1 and of 16 sequences at ~150 tokens of context,
-a fresh 250-token prefill, and a 250-token chunk after 1,600 cached tokens. With
+directly (no engine): a decode step of 1 and of 16 sequences at each ``--ctx`` tokens of
+context (default 150; ``decode1@2000`` is one sequence at 2,000), a fresh 250-token
+prefill, and a 250-token chunk after 1,600 cached tokens. With
 ``--baseline DIR`` a copy of the package (importable as ``furnace_base`` from ``DIR``) is
 timed in the same process, interleaved, and ratios are printed (baseline / current).
 ``--thread`` also times the decode step from a Trio worker thread, as the engine calls it.
 
     python benchmarks/bench_step.py [--baseline /tmp/base] [--quant none,int8] [--thread]
+        [--ctx 150,2000]
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import torch
 from furnace_trio.loader import load_model
 
 
-def _plans(mod: Any, ctx: int, n: int, block: int) -> dict[str, Any]:
+def _plans(
+    mod: Any, ctx: int, n: int, block: int, contexts: tuple[int, ...] = ()
+) -> dict[str, Any]:
     plan_mod = importlib.import_module(f"{mod.__name__.rsplit('.', 1)[0]}.plan")
     params_mod = importlib.import_module(f"{mod.__name__.rsplit('.', 1)[0]}.params")
     params = params_mod.SamplingParams(temperature=0.0, max_tokens=16)
@@ -35,13 +39,22 @@ def _plans(mod: Any, ctx: int, n: int, block: int) -> dict[str, Any]:
     def table(i: int) -> tuple[int, ...]:
         return tuple(range(i * blocks_per, (i + 1) * blocks_per))
 
-    def dec(k: int) -> Any:
-        return S(tuple(C(i, (100 + i,), ctx, table(i), (P(i, params),)) for i in range(k)))
+    def dec(k: int, at: int = ctx) -> Any:
+        per = -(-(at + 2) // block)
+        return S(
+            tuple(
+                C(i, (100 + i,), at, tuple(range(i * per, (i + 1) * per)), (P(i, params),))
+                for i in range(k)
+            )
+        )
 
     long_blocks = tuple(range(2000 // block + 1))
     fresh = S((C(999, tuple(range(1000, 1250)), 0, long_blocks, (P(999, params),)),))
     hist = S((C(999, tuple(range(1000, 1250)), 1600, long_blocks, (P(999, params),)),))
-    return {"decode1": dec(1), f"decode{n}": dec(n), "prefill250": fresh, "chunk250@1600": hist}
+    plans = {"decode1": dec(1), f"decode{n}": dec(n)}
+    for at in contexts:
+        plans |= {f"decode1@{at}": dec(1, at), f"decode{n}@{at}": dec(n, at)}
+    return plans | {"prefill250": fresh, "chunk250@1600": hist}
 
 
 def _time(fn: Callable[[], object], reps: int) -> float:
@@ -62,8 +75,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--thread", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated plan names")
+    ap.add_argument("--ctx", default="150", help="decode contexts, comma-separated")
     args = ap.parse_args()
+    base_ctx, *contexts = (int(c) for c in args.ctx.split(","))
     loaded = load_model(None)
+    cfg = loaded.config
+    # Room for 16 sequences at the longest context and the prefills (float32, 16-token blocks).
+    blocks = 16 * (max(base_ctx, *contexts) // 16 + 2) + 200
+    kv_bytes = blocks * 16 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
     mods = {"current": importlib.import_module("furnace_trio.runner")}
     if args.baseline:
         sys.path.insert(0, args.baseline)
@@ -72,17 +91,17 @@ def main() -> None:
     for quant in args.quant.split(","):
         runners = {}
         for name, mod in mods.items():
-            settings = mod.RunnerConfig(device="cpu", kv_cache_bytes=1 << 28, quantization=quant)
+            settings = mod.RunnerConfig(device="cpu", kv_cache_bytes=kv_bytes, quantization=quant)
             runners[name] = mod.ModelRunner(loaded.config, dict(loaded.weights), settings)
         results: dict[str, dict[str, list[float]]] = {n: {} for n in mods}
         for name, mod in mods.items():
-            plans = _plans(mod, 150, 16, runners[name].block_size)
+            plans = _plans(mod, base_ctx, 16, runners[name].block_size, tuple(contexts))
             # Fill the cache once so chunk@1600 attends real numbers.
             runners[name].step(plans["prefill250"])
         for rnd in range(args.rounds):
             order = list(mods.items())
             for name, mod in order if rnd % 2 == 0 else order[::-1]:
-                plans = _plans(mod, 150, 16, runners[name].block_size)
+                plans = _plans(mod, base_ctx, 16, runners[name].block_size, tuple(contexts))
                 r = runners[name]
                 for key, plan in plans.items():
                     if args.only and key not in args.only.split(","):
