@@ -7,6 +7,9 @@ prefill, and a 250-token chunk after 1,600 cached tokens. With
 ``--baseline DIR`` a copy of the package (importable as ``furnace_base`` from ``DIR``) is
 timed in the same process, interleaved, and ratios are printed (baseline / current).
 ``--thread`` also times the decode step from a Trio worker thread, as the engine calls it.
+``--stub-kernels`` replaces the fused decode call and the 4-bit / 8-bit linear layers with
+stubs (the LM head writes zeros), so a decode step times only the runner's own Python and
+torch work around them.
 
     python benchmarks/bench_step.py [--baseline /tmp/base] [--quant none,int8] [--thread]
         [--ctx 150,2000]
@@ -57,6 +60,12 @@ def _plans(
     return plans | {"prefill250": fresh, "chunk250@1600": hist}
 
 
+def _stub(kernels: Any) -> None:
+    """No fused decode call, and linear layers that write zeros (no work, a valid argmax)."""
+    kernels.decode_layers = lambda *args: None
+    kernels.grouped_linear = lambda bits, x, packed, bias, out: out.zero_()
+
+
 def _time(fn: Callable[[], object], reps: int) -> float:
     fn()
     times = []
@@ -76,12 +85,13 @@ def main() -> None:
     ap.add_argument("--thread", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated plan names")
     ap.add_argument("--ctx", default="150", help="decode contexts, comma-separated")
+    ap.add_argument("--stub-kernels", action="store_true")
     args = ap.parse_args()
     base_ctx, *contexts = (int(c) for c in args.ctx.split(","))
     loaded = load_model(None)
     cfg = loaded.config
     # Room for 16 sequences at the longest context and the prefills (float32, 16-token blocks).
-    blocks = 16 * (max(base_ctx, *contexts) // 16 + 2) + 200
+    blocks = 16 * (max([base_ctx, *contexts]) // 16 + 2) + 200
     kv_bytes = blocks * 16 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
     mods = {"current": importlib.import_module("furnace_trio.runner")}
     if args.baseline:
@@ -93,6 +103,8 @@ def main() -> None:
         for name, mod in mods.items():
             settings = mod.RunnerConfig(device="cpu", kv_cache_bytes=kv_bytes, quantization=quant)
             runners[name] = mod.ModelRunner(loaded.config, dict(loaded.weights), settings)
+            if args.stub_kernels:
+                _stub(runners[name]._kernels)
         results: dict[str, dict[str, list[float]]] = {n: {} for n in mods}
         for name, mod in mods.items():
             plans = _plans(mod, base_ctx, 16, runners[name].block_size, tuple(contexts))

@@ -177,9 +177,10 @@ class ModelRunner:
                     row += 1
             if not specs:
                 return []
-            index = torch.tensor(rows, device=logits.device)
+            if rows != list(range(logits.shape[0])):  # n > 1 samples share their row
+                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             generators = [self.generators.get(s.seq_id, s.params.seed) for s in specs]
-            return sample(logits[index], specs, generators, self._kernels)
+            return sample(logits, specs, generators, self._kernels)
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """Next-token logits after every chunk of ``plan``, no sampling (tests, benchmarks)."""
@@ -248,21 +249,26 @@ def build_inputs(
         if all_rows or chunk.samples:
             logit_rows.append(starts[-1] - 1)
     width = max(len(t) for t in tables)
-    padded = [list(t) + [0] * (width - len(t)) for t in tables]
-
-    def tensor(values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
+    decode_context_lens = [context_lens[b] for b in decode_rows]
+    # Every integer tensor of the step from one list: one tensor (one copy to the device)
+    # and views of it, where seven tensors took about 0.1 ms of a decode step on the CPU.
+    parts = (ids, positions, slots, decode_rows, decode_context_lens, logit_rows)
+    flat = [v for part in parts for v in part]
+    for t in tables:
+        flat.extend(t)
+        flat.extend([0] * (width - len(t)))
+    sizes = [len(part) for part in parts] + [len(tables) * width]
+    packed = torch.tensor(flat, dtype=torch.int64, device=device).split(sizes)
     return StepInputs(
-        input_ids=tensor(ids),
-        positions=tensor(positions),
-        slot_mapping=tensor(slots),
+        input_ids=packed[0],
+        positions=packed[1],
+        slot_mapping=packed[2],
         query_starts=tuple(starts),
         context_lens=tuple(context_lens),
-        block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
+        block_tables=packed[6].view(len(tables), width),
         decode_rows=tuple(decode_rows),
         prefill_rows=tuple(b for b, c in enumerate(plan.chunks) if len(c.token_ids) > 1),
-        decode_index=tensor(decode_rows),
-        decode_context_lens=tensor([context_lens[b] for b in decode_rows]),
-        logit_rows=tensor(logit_rows),
+        decode_index=packed[3],
+        decode_context_lens=packed[4],
+        logit_rows=packed[5],
     )
