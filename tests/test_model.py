@@ -16,9 +16,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from furnace_trio.hf_loader import load_hf_directory
-from furnace_trio.plan import ChunkPlan, StepPlan
+from furnace_trio.params import SamplingParams
+from furnace_trio.plan import ChunkPlan, SampleSpec, StepPlan
 from furnace_trio.quant import NativeQ4Linear, dequantize_q4, quantize_q4
-from furnace_trio.runner import ModelRunner, RunnerConfig
+from furnace_trio.runner import ModelRunner, RunnerConfig, build_inputs
 
 from ._model_fixtures import write_tiny_model
 
@@ -259,3 +260,49 @@ def test_int8_chunked_prefill_over_a_float16_cache(tmp_path: Path) -> None:
     assert float((got[0] - whole).norm() / whole.norm()) < 1e-2
     ref = _ref_logits(_reference(path), list(ids_t))[-1]
     assert float((got[0] - ref).norm() / ref.norm()) < 0.02
+
+
+def test_rotary_rows_match_the_formula_as_the_table_grows(tmp_path: Path) -> None:
+    """cos/sin rows come from a table grown on demand (by doubling); each row is what the
+    rotary formula gives for that position, and a shorter step reuses the table."""
+    runner = _runner(write_tiny_model(tmp_path, "llama", tied=False, rope_llama3=True))
+    model = runner.model
+    sizes = []
+    for end in (5, 300, 1000, 40):
+        gen = torch.Generator().manual_seed(end)
+        positions = torch.randint(0, end, (17,), generator=gen)
+        positions[0] = end - 1
+        cos, sin = model._rotary(positions, end)
+        freqs = positions.float()[:, None] * model.inv_freq[None, :]
+        half = freqs.sin()
+        torch.testing.assert_close(cos, torch.cat((freqs, freqs), -1).cos(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin, torch.cat((-half, half), -1), rtol=0, atol=1e-6)
+        sizes.append(model._rope[0].shape[0])
+    assert sizes[0] == 256  # the first table
+    assert sizes[1] >= 300 and sizes[2] >= 1000  # grown
+    assert sizes[3] == sizes[2]  # reused
+
+
+def test_build_inputs_flattens_a_mixed_step() -> None:
+    """A prefill chunk that does not sample, a decode that does and a longer decode: every
+    field, from the one int64 tensor the step's integers are packed into."""
+    params = SamplingParams(temperature=0.0)
+    plan = StepPlan(
+        (
+            ChunkPlan(1, (10, 11, 12), 3, (7, 2)),  # positions 3..5 over blocks of 4
+            ChunkPlan(2, (20,), 4, (5, 6), (SampleSpec(2, params),)),
+            ChunkPlan(3, (30,), 9, (1, 8, 9), (SampleSpec(3, params),)),
+        )
+    )
+    got = build_inputs(plan, BLOCK, torch.device("cpu"))
+    assert got.input_ids.tolist() == [10, 11, 12, 20, 30]
+    assert got.positions.tolist() == [3, 4, 5, 4, 9]
+    assert got.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1, 6 * 4 + 0, 9 * 4 + 1]
+    assert got.query_starts == (0, 3, 4, 5)
+    assert got.context_lens == (6, 5, 10)
+    assert got.block_tables.tolist() == [[7, 2, 0], [5, 6, 0], [1, 8, 9]]
+    assert got.decode_rows == (1, 2) and got.prefill_rows == (0,)
+    assert got.decode_index.tolist() == [1, 2]
+    assert got.decode_context_lens.tolist() == [5, 10]
+    assert got.logit_rows.tolist() == [3, 4]  # the prefill chunk does not sample
+    assert got.slot_mapping.is_contiguous() and got.block_tables.is_contiguous()
