@@ -37,12 +37,9 @@ def _plans(
     params_mod = importlib.import_module(f"{mod.__name__.rsplit('.', 1)[0]}.params")
     params = params_mod.SamplingParams(temperature=0.0, max_tokens=16)
     C, S, P = plan_mod.ChunkPlan, plan_mod.StepPlan, plan_mod.SampleSpec
-    blocks_per = -(-(ctx + 2) // block)
-
-    def table(i: int) -> tuple[int, ...]:
-        return tuple(range(i * blocks_per, (i + 1) * blocks_per))
 
     def dec(k: int, at: int = ctx) -> Any:
+        """k sequences decoding at context ``at``, each with its own blocks."""
         per = -(-(at + 2) // block)
         return S(
             tuple(
