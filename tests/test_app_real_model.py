@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import openai
+import torch
 import trio
 
 from furnace_trio.engine import Engine
@@ -108,3 +109,43 @@ async def test_disconnect_mid_stream_frees_the_real_sequence() -> None:
         await _idle(engine)
         stats = engine.statistics()
         assert stats.requests.get("aborted", 0) == 1
+
+
+async def test_int8_kv_cache_from_the_server_settings() -> None:
+    """``FURNACE_KV_CACHE_DTYPE=int8`` through the real loading path (``load_backend``): the
+    pool holds the int8 cache's number of blocks for its megabytes, and the greedy answer
+    still names Paris, streamed and not alike."""
+    import httpx
+
+    from furnace_trio.app import create_app
+    from furnace_trio.config import ServerConfig
+    from furnace_trio.model import KVCache
+
+    from .http_server import serve_app
+    from .real_model import default_model
+
+    config = default_model().config  # skips without the default model
+    app = create_app(ServerConfig(device="cpu", kv_cache_mb=16, kv_cache_dtype="int8"))
+    async with (
+        serve_app(app) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client,
+        httpx.AsyncClient(base_url=url) as http,
+    ):
+        metrics = (await http.get("/metrics")).text
+        total = next(
+            line for line in metrics.splitlines() if line.startswith("furnace_kv_blocks_total ")
+        )
+        blocks = (16 << 20) // KVCache.bytes_per_block(config, 16, torch.int8)
+        assert float(total.split()[1]) == blocks
+        assert blocks > 1.8 * (16 << 20) // KVCache.bytes_per_block(config, 16, torch.float16)
+        name = (await client.models.list()).data[0].id
+        reply = await client.chat.completions.create(
+            model=name, messages=QUESTION, temperature=0, max_tokens=40
+        )
+        text = reply.choices[0].message.content or ""
+        assert "Paris" in text
+        stream = await client.chat.completions.create(
+            model=name, messages=QUESTION, temperature=0, max_tokens=40, stream=True
+        )
+        pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        assert "".join(pieces) == text

@@ -172,7 +172,25 @@ def _paged(
     return cache, tables
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def _paged_int8(
+    seqs: list[torch.Tensor], block_size: int, num_blocks: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """:func:`_paged` for an int8 cache: the cache, its scales ``[blocks, block_size, KV]``,
+    the tables, and each sequence as the cache holds it (``q * scale``)."""
+    rows = [native.quantize_kv_rows(s) for s in seqs]
+    cache, tables = _paged(
+        [q.float() for q, _ in rows], block_size, num_blocks, torch.Generator().manual_seed(seed)
+    )
+    scales = torch.rand(num_blocks, block_size, seqs[0].shape[1])  # garbage elsewhere
+    for i, (_, s) in enumerate(rows):
+        for b in range(-(-len(s) // block_size)):
+            chunk = s[b * block_size : (b + 1) * block_size]
+            scales[tables[i, b], : len(chunk)] = chunk
+    held = [q.float() * s[..., None] for q, s in rows]
+    return cache.clamp(-127, 127).to(torch.int8), scales, tables, held
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 40), (8, 1, 16)])
 def test_paged_decode_attention_matches_sdpa(
     kernels: native.Kernels, heads: int, kv_heads: int, head_dim: int, cache_dtype: torch.dtype
@@ -181,17 +199,24 @@ def test_paged_decode_attention_matches_sdpa(
     # One position, part of a block, block edges, and contexts of one, two, three and
     # sixteen chunks of 64 positions (the chunks are merged in a second pass).
     lengths = [1, 5, 16, 17, 64, 65, 150, 1000]
-    # Values a float16 cache holds exactly, so both cache types have one reference.
+    # Values a float16 cache holds exactly, so both float cache types have one reference.
     keys = [torch.randn(n, kv_heads, head_dim, generator=gen).half().float() for n in lengths]
     values = [torch.randn(n, kv_heads, head_dim, generator=gen).half().float() for n in lengths]
-    k_cache, tables = _paged(keys, 16, 120, torch.Generator().manual_seed(7))
-    v_cache, _ = _paged(values, 16, 120, torch.Generator().manual_seed(7))  # same tables
-    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    scales: native.KVScales | None = None
+    if cache_dtype == torch.int8:
+        # int8: the reference attends over what the cache holds, each row's q * scale
+        k_cache, k_scale, tables, keys = _paged_int8(keys, 16, 120, 7)
+        v_cache, v_scale, _, values = _paged_int8(values, 16, 120, 7)  # same tables
+        scales = (k_scale, v_scale)
+    else:
+        k_cache, tables = _paged(keys, 16, 120, torch.Generator().manual_seed(7))
+        v_cache, _ = _paged(values, 16, 120, torch.Generator().manual_seed(7))  # same tables
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     q = torch.randn(len(lengths), heads, head_dim, generator=gen)
     out = torch.empty_like(q)
     scale = 1 / math.sqrt(head_dim)
     ctx = torch.tensor(lengths, dtype=torch.int64)
-    kernels.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, out)
+    kernels.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, out, scales)
     for i in range(len(lengths)):
         want = F.scaled_dot_product_attention(
             q[i][:, None, :],
@@ -203,20 +228,29 @@ def test_paged_decode_attention_matches_sdpa(
         torch.testing.assert_close(out[i], want, rtol=1e-5, atol=1e-5)
 
 
-def test_paged_decode_attention_is_batch_invariant(kernels: native.Kernels) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.int8])
+def test_paged_decode_attention_is_batch_invariant(
+    kernels: native.Kernels, cache_dtype: torch.dtype
+) -> None:
     """A sequence's attention is bitwise the same alone and beside any other sequences:
     its context is cut into chunks by its own length, never by the batch."""
     gen = torch.Generator().manual_seed(3)
     lengths = [300, 7, 1000, 64, 129]
     keys = [torch.randn(n, 3, 64, generator=gen) for n in lengths]
     values = [torch.randn(n, 3, 64, generator=gen) for n in lengths]
-    k_cache, tables = _paged(keys, 16, 120, torch.Generator().manual_seed(5))
-    v_cache, _ = _paged(values, 16, 120, torch.Generator().manual_seed(5))
-    k_cache, v_cache = k_cache.half(), v_cache.half()
+    scales: native.KVScales | None = None
+    if cache_dtype == torch.int8:
+        k_cache, k_scale, tables, _ = _paged_int8(keys, 16, 120, 5)
+        v_cache, v_scale, _, _ = _paged_int8(values, 16, 120, 5)
+        scales = (k_scale, v_scale)
+    else:
+        k_cache, tables = _paged(keys, 16, 120, torch.Generator().manual_seed(5))
+        v_cache, _ = _paged(values, 16, 120, torch.Generator().manual_seed(5))
+        k_cache, v_cache = k_cache.half(), v_cache.half()
     q = torch.randn(len(lengths), 9, 64, generator=gen)
     ctx = torch.tensor(lengths, dtype=torch.int64)
     batch = torch.empty_like(q)
-    kernels.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, batch)
+    kernels.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, batch, scales)
     for i in range(len(lengths)):
         alone = torch.empty(1, 9, 64)
         kernels.paged_decode_attention(
@@ -227,6 +261,7 @@ def test_paged_decode_attention_is_batch_invariant(kernels: native.Kernels) -> N
             ctx[i : i + 1],
             0.125,
             alone,
+            scales,
         )
         assert torch.equal(alone[0], batch[i]), lengths[i]
 
@@ -246,7 +281,7 @@ def test_add_rmsnorm(kernels: native.Kernels) -> None:
     torch.testing.assert_close(out, F.rms_norm(before + h, (100,), w, 1e-5))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
 def test_rope_store(kernels: native.Kernels, cache_dtype: torch.dtype) -> None:
     torch.manual_seed(3)
     tokens, heads, kv_heads, dim = 6, 4, 2, 8
@@ -257,9 +292,13 @@ def test_rope_store(kernels: native.Kernels, cache_dtype: torch.dtype) -> None:
     slots = torch.tensor([9, 2, 0, 7, 4, 11])
     k_cache = torch.zeros(12, kv_heads, dim, dtype=cache_dtype)
     v_cache = torch.zeros(12, kv_heads, dim, dtype=cache_dtype)
+    scales = None
+    if cache_dtype == torch.int8:
+        qkv[1, -dim:] = 0  # a row of zeros: scale 0
+        scales = (torch.zeros(12, kv_heads), torch.zeros(12, kv_heads))
     q_out = torch.empty(tokens, heads, dim)
     k_out = torch.empty(tokens, kv_heads, dim)
-    kernels.rope_store(qkv, cos, sin, slots, k_cache, v_cache, q_out, k_out)
+    kernels.rope_store(qkv, cos, sin, slots, k_cache, v_cache, q_out, k_out, scales)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:  # Hugging Face's apply_rotary_pos_emb
         x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
@@ -270,11 +309,23 @@ def test_rope_store(kernels: native.Kernels, cache_dtype: torch.dtype) -> None:
     heads_all = qkv.view(tokens, heads + 2 * kv_heads, dim)
     torch.testing.assert_close(q_out, rotate(heads_all[:, :heads]))
     torch.testing.assert_close(k_out, rotate(heads_all[:, heads : heads + kv_heads]))
-    # float16 caches hold exactly torch's round-to-nearest-even of the float32 values
-    assert torch.equal(k_cache[slots], k_out.to(cache_dtype))
-    assert torch.equal(v_cache[slots], heads_all[:, heads + kv_heads :].to(cache_dtype))
     untouched = [i for i in range(12) if i not in slots.tolist()]
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
+    v_in = heads_all[:, heads + kv_heads :]
+    if scales is None:
+        # float16 caches hold exactly torch's round-to-nearest-even of the float32 values
+        assert torch.equal(k_cache[slots], k_out.to(cache_dtype))
+        assert torch.equal(v_cache[slots], v_in.to(cache_dtype))
+        return
+    # int8: the bytes and scales of quantize_kv_rows (the torch path stores the same)
+    for cache, scale, x in ((k_cache, scales[0], k_out), (v_cache, scales[1], v_in)):
+        want_q, want_s = native.quantize_kv_rows(x)
+        assert torch.equal(cache[slots], want_q) and torch.equal(scale[slots], want_s)
+        assert not scale[untouched].any()
+        assert int(cache[slots].abs().amax(dim=-1).min()) in (0, 127)  # each row's max is 127
+        err = (cache[slots].float() * scale[slots][..., None] - x).abs()
+        assert bool((err <= scale[slots][..., None] / 2 + 1e-7).all())  # half a step at most
+    assert float(scales[1][slots[1], -1]) == 0.0  # the row of zeros (last value head)
 
 
 def test_float16_conversions_match_torch(kernels: native.Kernels) -> None:

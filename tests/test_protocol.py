@@ -232,9 +232,10 @@ def test_server_config_from_env() -> None:
             "FURNACE_KV_CACHE_MB": "",
             "FURNACE_QUANT": "q4",
             "FURNACE_STREAM_INTERVAL": "4",
+            "FURNACE_KV_CACHE_DTYPE": "INT8",
         }
     )
-    assert config.quantization == "q4"
+    assert config.quantization == "q4" and config.kv_cache_dtype == "int8"
     assert config.stream_interval == 4
     assert config.model == "/models/x.gguf" and config.device == "cpu"
     assert config.max_running == 4 and config.max_body_bytes == 1024
@@ -255,6 +256,7 @@ def test_server_config_from_env() -> None:
         ("FURNACE_MAX_CONTEXT", "1.5"),
         ("FURNACE_QUANT", "int4"),
         ("FURNACE_STREAM_INTERVAL", "0"),
+        ("FURNACE_KV_CACHE_DTYPE", "fp8"),
     ],
 )
 def test_server_config_rejects_invalid_values(name: str, value: str) -> None:

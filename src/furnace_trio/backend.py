@@ -90,6 +90,7 @@ def load_backend(config: ServerConfig) -> Backend:
         device=str(device),
         dtype=config.dtype,
         kv_cache_bytes=_kv_cache_bytes(config, device.type),
+        kv_dtype=config.kv_cache_dtype,
         max_context=config.max_context,
         quantization=config.quantization,
     )

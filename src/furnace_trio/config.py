@@ -17,6 +17,8 @@ Device = Literal["cpu", "cuda", "auto"]
 DEVICES: tuple[str, ...] = ("cpu", "cuda", "auto")
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "q4")  # as quant.QUANTIZATIONS
+#: KV cache dtypes (``FURNACE_KV_CACHE_DTYPE``), as runner.KV_DTYPES.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "model", "int8")
 LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Tool-call output formats (``auto``: from the model's chat template, see docs/tools.md).
 TOOL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3", "mistral")
@@ -47,6 +49,7 @@ class ServerConfig:
     max_waiting: int = 256
     max_step_tokens: int | None = None
     kv_cache_mb: int | None = None
+    kv_cache_dtype: str = "auto"
     max_context: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "INFO"
@@ -73,6 +76,11 @@ class ServerConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"KV cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
             )
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(
@@ -145,6 +153,8 @@ class ServerConfig:
             max_waiting=max_waiting if max_waiting is not None else defaults.max_waiting,
             max_step_tokens=max_step_tokens,
             kv_cache_mb=integer("FURNACE_KV_CACHE_MB"),
+            kv_cache_dtype=choice("FURNACE_KV_CACHE_DTYPE", KV_CACHE_DTYPES)
+            or defaults.kv_cache_dtype,
             max_context=integer("FURNACE_MAX_CONTEXT"),
             max_body_bytes=max_body_bytes
             if max_body_bytes is not None

@@ -606,12 +606,33 @@ static float exp_shifted(float *sc, int64_t n, float shift) {
     return total;
 }
 
-/* A KV cache entry as floats: float32 caches, or float16 ones (half != 0). */
-static ALWAYS_INLINE vf kv_vec(const void *base, int64_t i, const int half) {
-    return half ? v_loadh((const uint16_t *)base + i) : v_load((const float *)base + i);
+/* A KV cache's element format. int8 caches keep one float32 scale per (slot, KV head)
+ * row of D values in separate scale arrays [slots, KV]: a value is q * scale. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 };
+static ALWAYS_INLINE int64_t kv_bytes(const int kind) {
+    return kind == KV_F32 ? 4 : kind == KV_F16 ? 2 : 1;
 }
-static ALWAYS_INLINE float kv_at(const void *base, int64_t i, const int half) {
-    return half ? h2f(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+
+/* A KV cache entry as floats (unscaled for int8). */
+static ALWAYS_INLINE vf kv_vec(const void *base, int64_t i, const int kind) {
+    return kind == KV_F16  ? v_loadh((const uint16_t *)base + i)
+           : kind == KV_I8 ? v_i8((const int8_t *)base + i)
+                           : v_load((const float *)base + i);
+}
+static ALWAYS_INLINE float kv_at(const void *base, int64_t i, const int kind) {
+    return kind == KV_F16  ? h2f(((const uint16_t *)base)[i])
+           : kind == KV_I8 ? (float)((const int8_t *)base)[i]
+                           : ((const float *)base)[i];
+}
+
+/* One row of an int8 cache: q = round(x * 127 / max|x|), scale = max|x| / 127 (0 and 0
+ * for a row of zeros). */
+static void quantize_kv_row(const float *x, int64_t n, int8_t *q, float *scale) {
+    float top = 0.0f;
+    for (int64_t i = 0; i < n; i++) top = fmaxf(top, fabsf(x[i]));
+    const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+    for (int64_t i = 0; i < n; i++) q[i] = (int8_t)nearbyintf(x[i] * inv);
+    *scale = top / 127.0f;
 }
 
 /* Positions [p0, p1) of one sequence (p1 - p0 <= ATT_CHUNK), every head. qs: the
@@ -619,27 +640,36 @@ static ALWAYS_INLINE float kv_at(const void *base, int64_t i, const int half) {
  * largest scaled score; l[h], the sum of exp(score - mx[h]); o[h * D ..], the sum of
  * exp(score - mx[h]) times the values. */
 static ALWAYS_INLINE void attend_chunk(const float *qs, const void *k_cache, const void *v_cache,
+                                       const float *k_scale, const float *v_scale,
                                        const int64_t *table, int64_t p0, int64_t p1, int64_t H,
                                        int64_t KV, int64_t D, int64_t block_size, float scale,
-                                       float *sc, float *mx, float *l, float *o, const int half) {
+                                       float *sc, float *mx, float *l, float *o, const int kind) {
     const int64_t group = H / KV, n = p1 - p0, dv = D - D % VW, width = KV * D;
 #if VW > 1
-    const int64_t row_bytes = width * (half ? 2 : 4);
+    const int64_t row_bytes = width * kv_bytes(kind);
 #endif
-    /* Each position's offset in the caches, found once (a division by the block size). */
-    int64_t rows[ATT_CHUNK];
-    for (int64_t p = p0; p < p1; p++)
-        rows[p - p0] = (table[p / block_size] * block_size + p % block_size) * width;
+    /* Each position's offset in the caches, found once (a division by the block size), and
+     * its first row of scales (int8). */
+    int64_t rows[ATT_CHUNK], srows[ATT_CHUNK];
+    for (int64_t p = p0; p < p1; p++) {
+        const int64_t slot = table[p / block_size] * block_size + p % block_size;
+        rows[p - p0] = slot * width;
+        srows[p - p0] = slot * KV;
+    }
     for (int64_t h = 0; h < H; h++) mx[h] = -INFINITY;
     for (int64_t i = 0; i < n; i++) {
 #if VW > 1
         /* Blocks are scattered: fetch a position's rows (keys, and values for the second
          * pass) a few positions ahead, across block boundaries too. */
         if (i + ATT_PREFETCH < n) {
-            const int64_t off = rows[i + ATT_PREFETCH] * (half ? 2 : 4);
+            const int64_t off = rows[i + ATT_PREFETCH] * kv_bytes(kind);
             for (int64_t b = 0; b < row_bytes; b += 64) {
                 _mm_prefetch((const char *)k_cache + off + b, _MM_HINT_T0);
                 _mm_prefetch((const char *)v_cache + off + b, _MM_HINT_T0);
+            }
+            if (kind == KV_I8) {
+                _mm_prefetch((const char *)(k_scale + srows[i + ATT_PREFETCH]), _MM_HINT_T0);
+                _mm_prefetch((const char *)(v_scale + srows[i + ATT_PREFETCH]), _MM_HINT_T0);
             }
         }
 #endif
@@ -648,15 +678,19 @@ static ALWAYS_INLINE void attend_chunk(const float *qs, const void *k_cache, con
             const int64_t kp = rows[i] + (h / group) * D;
             vf acc = v_zero();
             for (int64_t d = 0; d < dv; d += VW)
-                acc = v_fma(v_load(qh + d), kv_vec(k_cache, kp + d, half), acc);
+                acc = v_fma(v_load(qh + d), kv_vec(k_cache, kp + d, kind), acc);
             float dot = v_sum(acc);
-            for (int64_t d = dv; d < D; d++) dot += qh[d] * kv_at(k_cache, kp + d, half);
-            dot *= scale;
+            for (int64_t d = dv; d < D; d++) dot += qh[d] * kv_at(k_cache, kp + d, kind);
+            dot *= kind == KV_I8 ? scale * k_scale[srows[i] + h / group] : scale;
             sc[h * ATT_CHUNK + i] = dot;
             if (dot > mx[h]) mx[h] = dot;
         }
     }
     for (int64_t h = 0; h < H; h++) l[h] = exp_shifted(sc + h * ATT_CHUNK, n, mx[h]);
+    /* int8 values: each weight takes its row's scale (after the sums above). */
+    if (kind == KV_I8)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < n; i++) sc[h * ATT_CHUNK + i] *= v_scale[srows[i] + h / group];
     /* Values: per head, blocks of four vectors of D kept in registers over the chunk. */
     for (int64_t h = 0; h < H; h++) {
         const float *w = sc + h * ATT_CHUNK;
@@ -668,10 +702,10 @@ static ALWAYS_INLINE void attend_chunk(const float *qs, const void *k_cache, con
             for (int64_t i = 0; i < n; i++) {
                 const int64_t vp = rows[i] + vo + d0;
                 const vf wv = v_set1(w[i]);
-                a0 = v_fma(wv, kv_vec(v_cache, vp, half), a0);
-                a1 = v_fma(wv, kv_vec(v_cache, vp + VW, half), a1);
-                a2 = v_fma(wv, kv_vec(v_cache, vp + 2 * VW, half), a2);
-                a3 = v_fma(wv, kv_vec(v_cache, vp + 3 * VW, half), a3);
+                a0 = v_fma(wv, kv_vec(v_cache, vp, kind), a0);
+                a1 = v_fma(wv, kv_vec(v_cache, vp + VW, kind), a1);
+                a2 = v_fma(wv, kv_vec(v_cache, vp + 2 * VW, kind), a2);
+                a3 = v_fma(wv, kv_vec(v_cache, vp + 3 * VW, kind), a3);
             }
             v_store(oh + d0, a0);
             v_store(oh + d0 + VW, a1);
@@ -681,22 +715,24 @@ static ALWAYS_INLINE void attend_chunk(const float *qs, const void *k_cache, con
         for (; d0 < dv; d0 += VW) {
             vf a = v_zero();
             for (int64_t i = 0; i < n; i++)
-                a = v_fma(v_set1(w[i]), kv_vec(v_cache, rows[i] + vo + d0, half), a);
+                a = v_fma(v_set1(w[i]), kv_vec(v_cache, rows[i] + vo + d0, kind), a);
             v_store(oh + d0, a);
         }
         for (; d0 < D; d0++) {
             float a = 0.0f;
-            for (int64_t i = 0; i < n; i++) a += w[i] * kv_at(v_cache, rows[i] + vo + d0, half);
+            for (int64_t i = 0; i < n; i++) a += w[i] * kv_at(v_cache, rows[i] + vo + d0, kind);
             oh[d0] = a;
         }
     }
 }
 
-/* kv_half: the caches hold float16 (else float32). Returns 0, or -1 when out of memory. */
+/* kv_kind: the caches' format (KV_F32, KV_F16, KV_I8; the scales only for KV_I8, else
+ * NULL). Returns 0, or -1 when out of memory. */
 int furnace_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
+                                   const float *k_scale, const float *v_scale,
                                    const int64_t *tables, int64_t max_blocks, const int64_t *ctx,
                                    int64_t S, int64_t H, int64_t KV, int64_t D,
-                                   int64_t block_size, float scale, float *out, int kv_half) {
+                                   int64_t block_size, float scale, float *out, int kv_kind) {
     /* first[s]: sequence s's first task; the tasks of all sequences, numbered in order. */
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (S + 1));
     if (!first) return -1;
@@ -721,12 +757,15 @@ int furnace_paged_decode_attention(const float *q, const void *k_cache, const vo
             const int64_t p1 = p0 + ATT_CHUNK < ctx[s] ? p0 + ATT_CHUNK : ctx[s];
             float *mx = part + t * per_task, *l = mx + H, *o = l + H;
             const int64_t *table = tables + s * max_blocks;
-            if (kv_half)
-                attend_chunk(q + s * H * D, k_cache, v_cache, table, p0, p1, H, KV, D,
-                             block_size, scale, sc, mx, l, o, 1);
+            if (kv_kind == KV_F16)
+                attend_chunk(q + s * H * D, k_cache, v_cache, NULL, NULL, table, p0, p1, H, KV,
+                             D, block_size, scale, sc, mx, l, o, KV_F16);
+            else if (kv_kind == KV_I8)
+                attend_chunk(q + s * H * D, k_cache, v_cache, k_scale, v_scale, table, p0, p1, H,
+                             KV, D, block_size, scale, sc, mx, l, o, KV_I8);
             else
-                attend_chunk(q + s * H * D, k_cache, v_cache, table, p0, p1, H, KV, D,
-                             block_size, scale, sc, mx, l, o, 0);
+                attend_chunk(q + s * H * D, k_cache, v_cache, NULL, NULL, table, p0, p1, H, KV,
+                             D, block_size, scale, sc, mx, l, o, KV_F32);
         }
         /* Merge each sequence's chunks, in order. */
 #pragma omp for schedule(static)
@@ -786,11 +825,12 @@ void furnace_add_rmsnorm(float *x, const float *h, int64_t M, int64_t D, const f
 /* Rotary embedding of queries and keys, and the step's keys and values stored in the cache.
  * qkv: [T, (H + 2 KV) D] (the fused projection); cos, sin: [T, D], where sin carries the
  * sign of rotate_half (negative first half); slots: [T] cache slot per token.
- * q_out: [T, H, D] and k_out: [T, KV, D] rotated; caches: [slots, KV, D], float16 when
- * kv_half (rounded to nearest even), else float32. */
+ * q_out: [T, H, D] and k_out: [T, KV, D] rotated; caches: [slots, KV, D] in kv_kind's format
+ * (float16 rounded to nearest even; int8 with its scales [slots, KV], see quantize_kv_row). */
 void furnace_rope_store(const float *qkv, int64_t T, int64_t H, int64_t KV, int64_t D,
                         const float *cos_t, const float *sin_t, const int64_t *slots,
-                        void *k_cache, void *v_cache, float *q_out, float *k_out, int kv_half) {
+                        void *k_cache, void *v_cache, float *k_scale, float *v_scale,
+                        float *q_out, float *k_out, int kv_kind) {
     const int64_t width = (H + 2 * KV) * D, half = D / 2;
 #pragma omp parallel for schedule(static) if (T * width >= PARALLEL_ELEMENTS)
     for (int64_t t = 0; t < T; t++) {
@@ -803,9 +843,15 @@ void furnace_rope_store(const float *qkv, int64_t T, int64_t H, int64_t KV, int6
         }
         const float *k = k_out + t * KV * D, *v = row + (H + KV) * D;
         const int64_t at = slots[t] * KV * D;
-        if (kv_half) {
+        if (kv_kind == KV_F16) {
             uint16_t *kc = (uint16_t *)k_cache + at, *vc = (uint16_t *)v_cache + at;
             for (int64_t i = 0; i < KV * D; i++) kc[i] = f2h(k[i]), vc[i] = f2h(v[i]);
+        } else if (kv_kind == KV_I8) {
+            int8_t *kc = (int8_t *)k_cache + at, *vc = (int8_t *)v_cache + at;
+            for (int64_t h = 0; h < KV; h++) {
+                quantize_kv_row(k + h * D, D, kc + h * D, k_scale + slots[t] * KV + h);
+                quantize_kv_row(v + h * D, D, vc + h * D, v_scale + slots[t] * KV + h);
+            }
         } else {
             memcpy((float *)k_cache + at, k, sizeof(float) * KV * D);
             memcpy((float *)v_cache + at, v, sizeof(float) * KV * D);
@@ -868,10 +914,12 @@ void furnace_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out) {
 
 /* Per layer, LAYER_PTRS addresses, in this order. Each linear layer has four: its format
  * (LINEAR_W8, LINEAR_Q4 or LINEAR_Q8, a number, not an address), its packed weight, its scales (int8;
- * 0 for 4- and 8-bit groups, whose scales are packed with the weight) and its bias (or 0). */
+ * 0 for 4- and 8-bit groups, whose scales are packed with the weight) and its bias (or 0).
+ * Then the two norms' weights, the key and value caches, and their scales (int8 caches; 0
+ * for float ones). */
 enum {
     P_QKV, P_O = P_QKV + 4, P_GU = P_O + 4, P_DOWN = P_GU + 4,
-    P_IN_NORM = P_DOWN + 4, P_POST_NORM, P_K_CACHE, P_V_CACHE,
+    P_IN_NORM = P_DOWN + 4, P_POST_NORM, P_K_CACHE, P_V_CACHE, P_K_SCALE, P_V_SCALE,
     LAYER_PTRS
 };
 enum { LINEAR_W8 = 0, LINEAR_Q4 = 1, LINEAR_Q8 = 2 };
@@ -895,14 +943,14 @@ static void table_linear(const int64_t *p, int i, const float *x, int64_t M, int
 /* Every layer of a step whose S sequences each bring one token (no prefill), with the
  * int8 or 4-bit linear layers above: the same arithmetic as the per-op path, minus the Python and
  * dispatch cost between ops. x: [S, hidden] embeddings in, the residual stream after the
- * last layer out (before the final norm). cos/sin/slots/tables/ctx/kv_half as for the
+ * last layer out (before the final norm). cos/sin/slots/tables/ctx/kv_kind as for the
  * per-op kernels; scratch: at least S * (2 hidden + (H + 2 KV) D + (H + KV) D + H D + 3 I
  * + max(hidden, H D, I)) floats. */
 int furnace_decode_layers(int64_t L, const int64_t *ptrs, int64_t S, int64_t hidden,
                            int64_t H, int64_t KV, int64_t D, int64_t I, float eps, float *x,
                            const float *cos_t, const float *sin_t, const int64_t *slots,
                            const int64_t *tables, int64_t max_blocks, const int64_t *ctx,
-                           int64_t block_size, float scale, int kv_half, float *scratch) {
+                           int64_t block_size, float scale, int kv_kind, float *scratch) {
     const int64_t width = (H + 2 * KV) * D;
     float *normed = scratch;
     float *h = normed + S * hidden;
@@ -919,9 +967,10 @@ int furnace_decode_layers(int64_t L, const int64_t *ptrs, int64_t S, int64_t hid
                             normed);
         table_linear(p, P_QKV, normed, S, hidden, width, qkv, qs);
         void *kc = PTR(void *, P_K_CACHE), *vc = PTR(void *, P_V_CACHE);
-        furnace_rope_store(qkv, S, H, KV, D, cos_t, sin_t, slots, kc, vc, q, k, kv_half);
-        if (furnace_paged_decode_attention(q, kc, vc, tables, max_blocks, ctx, S, H, KV, D,
-                                           block_size, scale, att, kv_half))
+        float *ks = PTR(float *, P_K_SCALE), *vs = PTR(float *, P_V_SCALE);
+        furnace_rope_store(qkv, S, H, KV, D, cos_t, sin_t, slots, kc, vc, ks, vs, q, k, kv_kind);
+        if (furnace_paged_decode_attention(q, kc, vc, ks, vs, tables, max_blocks, ctx, S, H, KV,
+                                           D, block_size, scale, att, kv_kind))
             return -1;
         table_linear(p, P_O, att, S, H * D, hidden, h, qs);
         furnace_add_rmsnorm(x, h, S, hidden, PTR(const float *, P_POST_NORM), eps, normed);

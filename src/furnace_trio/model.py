@@ -116,8 +116,48 @@ def chunk_mask(qlen: int, past: int, dtype: torch.dtype, device: torch.device) -
     )
 
 
+@dataclass(frozen=True, slots=True)
+class LayerKV:
+    """One layer's paged keys and values, ``[blocks, block_size, KV, D]``: float, or int8
+    with ``scales``, one float32 per (slot, KV head) each for keys and values
+    (``[blocks, block_size, KV]``; a value is ``q * scale``)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    scales: native.KVScales | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
+
+    def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k`` and ``v`` ``[T, KV, D]`` at cache ``slots`` ``[T]``."""
+        kv_heads, dim = self.k.shape[2:]
+        if self.scales is None:
+            self.k.view(-1, kv_heads, dim).index_copy_(0, slots, k.to(self.k.dtype))
+            self.v.view(-1, kv_heads, dim).index_copy_(0, slots, v.to(self.v.dtype))
+            return
+        for cache, scale, x in ((self.k, self.scales[0], k), (self.v, self.scales[1], v)):
+            q, s = native.quantize_kv_rows(x)
+            cache.view(-1, kv_heads, dim).index_copy_(0, slots, q)
+            scale.view(-1, kv_heads).index_copy_(0, slots, s)
+
+    def gather(self, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the block numbers ``blocks`` (any shape) as ``dtype``:
+        ``[*blocks.shape, block_size, KV, D]`` each."""
+        keys, values = self.k[blocks].to(dtype), self.v[blocks].to(dtype)
+        if self.scales is not None:
+            keys = keys * self.scales[0][blocks].to(dtype).unsqueeze(-1)
+            values = values * self.scales[1][blocks].to(dtype).unsqueeze(-1)
+        return keys, values
+
+
 class KVCache:
-    """Preallocated paged key/value storage for every layer, written in place."""
+    """Preallocated paged key/value storage for every layer, written in place.
+
+    ``dtype`` float32, float16 or bfloat16; or int8, one scale per (slot, KV head) row
+    beside it (see :class:`LayerKV`): about half a float16 cache's bytes per token.
+    """
 
     def __init__(
         self,
@@ -133,13 +173,29 @@ class KVCache:
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        if dtype == torch.int8:
+            scale_shape = shape[:-1]
+            self.scales = (
+                torch.zeros(scale_shape, dtype=torch.float32, device=device),
+                torch.zeros(scale_shape, dtype=torch.float32, device=device),
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.layers = [
+            LayerKV(
+                self.k[i],
+                self.v[i],
+                None if self.scales is None else (self.scales[0][i], self.scales[1][i]),
+            )
+            for i in range(config.num_layers)
+        ]
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+        row = config.head_dim * element + (4 if dtype == torch.int8 else 0)  # + an int8 scale
+        return 2 * config.num_layers * block_size * config.num_kv_heads * row
 
     def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
         """Copy whole blocks ``src -> dst`` in every layer (copy-on-write after a fork)."""
@@ -147,8 +203,8 @@ class KVCache:
             return
         src = torch.tensor([s for s, _ in copies], device=self.k.device)
         dst = torch.tensor([d for _, d in copies], device=self.k.device)
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        for tensor in (self.k, self.v, *(self.scales or ())):
+            tensor[:, dst] = tensor[:, src]
 
 
 class Linear(nn.Module):
@@ -221,7 +277,7 @@ class Attention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        # The native decode-attention kernel (float32 or float16 CPU caches), set by
+        # The native decode-attention kernel (float32, float16 or int8 CPU caches), set by
         # Transformer.use_native.
         self.kernels: native.Kernels | None = None
         names = [f"{prefix}.self_attn.{p}_proj" for p in ("q", "k", "v")]
@@ -243,8 +299,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKV,
         inputs: StepInputs,
     ) -> torch.Tensor:
         tokens = x.shape[0]
@@ -259,48 +314,43 @@ class Attention(nn.Module):
         qk = _apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
 
-        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k_flat.index_copy_(0, inputs.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, inputs.slot_mapping, v.to(v_flat.dtype))
-        return self._attend(q, k, v, k_cache, v_cache, inputs)
+        kv.store(inputs.slot_mapping, k, v)
+        return self._attend(q, k, v, kv, inputs)
 
     def forward_native(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKV,
         inputs: StepInputs,
         kernels: native.Kernels,
     ) -> torch.Tensor:
         """:meth:`forward` with the rotary embedding and the cache writes in one native call
-        (float32 or float16 CPU caches, no q/k norm); ``cos``/``sin`` are ``[T, D]``."""
+        (float32, float16 or int8 CPU caches, no q/k norm); ``cos``/``sin`` are ``[T, D]``."""
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         q = torch.empty((tokens, self.num_heads, self.head_dim))
         k = torch.empty((tokens, self.num_kv_heads, self.head_dim))
-        kernels.rope_store(qkv, cos, sin, inputs.slot_mapping, k_cache, v_cache, q, k)
+        kernels.rope_store(qkv, cos, sin, inputs.slot_mapping, kv.k, kv.v, q, k, kv.scales)
         v = qkv.view(tokens, -1, self.head_dim)[:, self.num_heads + self.num_kv_heads :]
-        return self._attend(q, k, v, k_cache, v_cache, inputs)
+        return self._attend(q, k, v, kv, inputs)
 
     def _attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKV,
         inputs: StepInputs,
     ) -> torch.Tensor:
         """Attention of this step's rotated queries (keys/values already in the cache), then
         the output projection."""
         tokens = q.shape[0]
-        block_size = k_cache.shape[1]
+        block_size = kv.block_size
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if inputs.decode_rows:
-            self._attend_decodes(q, out, k_cache, v_cache, inputs)
+            self._attend_decodes(q, out, kv, inputs)
             if len(inputs.decode_rows) == len(inputs.context_lens):
                 return self.o_proj(out.view(tokens, self.q_size))
         starts = inputs.query_starts
@@ -314,8 +364,8 @@ class Attention(nn.Module):
                 keys, values = k[lo:hi], v[lo:hi]
             else:
                 blocks = inputs.block_tables[b, : -(-ctx // block_size)]
-                keys = k_cache[blocks].flatten(0, 1)[:ctx].to(q.dtype)
-                values = v_cache[blocks].flatten(0, 1)[:ctx].to(q.dtype)
+                keys, values = kv.gather(blocks, q.dtype)
+                keys, values = keys.flatten(0, 1)[:ctx], values.flatten(0, 1)[:ctx]
                 mask = inputs.chunk_masks.get(b)
                 if mask is None:
                     mask = chunk_mask(qlen, past, q.dtype, q.device)
@@ -345,8 +395,7 @@ class Attention(nn.Module):
         self,
         q: torch.Tensor,
         out: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKV,
         inputs: StepInputs,
     ) -> None:
         """One attention call for every single-token chunk of the step.
@@ -360,18 +409,27 @@ class Attention(nn.Module):
         if d is None:
             return
         n = d.tables.shape[0]
-        if self.kernels is not None and k_cache.dtype in (torch.float32, torch.float16):
+        native_kv = kv.scales is not None or kv.k.dtype in (torch.float32, torch.float16)
+        if self.kernels is not None and native_kv:
             qd = (q if d.flat_rows is None else q[d.flat_rows]).contiguous()
             target = out if d.flat_rows is None else torch.empty_like(qd)
             self.kernels.paged_decode_attention(
-                qd, k_cache, v_cache, d.tables, inputs.decode_context_lens, self.scale, target
+                qd,
+                kv.k,
+                kv.v,
+                d.tables,
+                inputs.decode_context_lens,
+                self.scale,
+                target,
+                kv.scales,
             )
             if d.flat_rows is not None:
                 out[d.flat_rows] = target
             return
         group = self.num_heads // self.num_kv_heads
-        keys = k_cache[d.tables].flatten(1, 2)[:, : d.max_ctx].to(q.dtype)  # [n, ctx, KV, D]
-        values = v_cache[d.tables].flatten(1, 2)[:, : d.max_ctx].to(q.dtype)
+        keys, values = kv.gather(d.tables, q.dtype)
+        keys = keys.flatten(1, 2)[:, : d.max_ctx]  # [n, ctx, KV, D]
+        values = values.flatten(1, 2)[:, : d.max_ctx]
         qd = q if d.flat_rows is None else q[d.flat_rows]
         o = F.scaled_dot_product_attention(
             qd.reshape(n, self.num_kv_heads, group, self.head_dim),
@@ -495,7 +553,7 @@ class Transformer(nn.Module):
         cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
         for i, module in enumerate(self.layers):
             layer = cast(DecoderLayer, module)
-            h = layer.self_attn(layer.input_layernorm(x), cos, sin, cache.k[i], cache.v[i], inputs)
+            h = layer.self_attn(layer.input_layernorm(x), cos, sin, cache.layers[i], inputs)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = self.norm(x[inputs.logit_rows])
@@ -514,9 +572,7 @@ class Transformer(nn.Module):
         normed = torch.empty_like(x)
         kernels.add_rmsnorm(x, None, layers[0].input_layernorm.weight, eps, normed)
         for i, layer in enumerate(layers):
-            h = layer.self_attn.forward_native(
-                normed, cos, sin, cache.k[i], cache.v[i], inputs, kernels
-            )
+            h = layer.self_attn.forward_native(normed, cos, sin, cache.layers[i], inputs, kernels)
             kernels.add_rmsnorm(x, h, layer.post_attention_layernorm.weight, eps, normed)
             h = layer.mlp.forward_native(normed, kernels)
             if i + 1 < len(layers):
@@ -558,7 +614,7 @@ class Transformer(nn.Module):
             inputs.decode_context_lens,
             cache.block_size,
             scale,
-            cache.k.dtype == torch.float16,
+            native.kv_kind(cache.k, cache.scales),
         )
         return self._native_logits(x, inputs.logit_rows, kernels)
 
@@ -618,6 +674,7 @@ class Transformer(nn.Module):
                 layer.post_attention_layernorm.weight.data_ptr(),
                 cache.k[i].data_ptr(),
                 cache.v[i].data_ptr(),
+                *((0, 0) if cache.scales is None else (s[i].data_ptr() for s in cache.scales)),
             ]
         if len(rows) != kernels.layer_ptrs * len(self.layers):
             raise RuntimeError("native layer table does not match cpu_kernels.c")

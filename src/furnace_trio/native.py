@@ -60,14 +60,16 @@ class Kernels:
         self._linear.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P]
         self._linear.restype = None
         self._attention = lib.furnace_paged_decode_attention
-        self._attention.argtypes = [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P]
+        self._attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I]
+        self._attention.argtypes += [ctypes.c_float, _P]
         self._attention.argtypes += [ctypes.c_int]
         self._attention.restype = ctypes.c_int
         self._add_rmsnorm = lib.furnace_add_rmsnorm
         self._add_rmsnorm.argtypes = [_P, _P, _I, _I, _P, ctypes.c_float, _P]
         self._add_rmsnorm.restype = None
         self._rope_store = lib.furnace_rope_store
-        self._rope_store.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int]
+        self._rope_store.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P]
+        self._rope_store.argtypes += [ctypes.c_int]
         self._rope_store.restype = None
         self._silu_mul = lib.furnace_silu_mul
         self._silu_mul.argtypes = [_P, _I, _I, _P]
@@ -210,18 +212,22 @@ class Kernels:
         context_lens: torch.Tensor,
         scale: float,
         out: torch.Tensor,
+        scales: KVScales | None = None,
     ) -> None:
         """One query token per sequence over its paged keys; all contiguous.
 
-        ``q``/``out`` ``[S, H, D]`` float32, caches ``[blocks, block_size, KV, D]`` float32
-        or float16, ``tables`` ``[S, max_blocks]`` and ``context_lens`` ``[S]`` int64.
+        ``q``/``out`` ``[S, H, D]`` float32, caches ``[blocks, block_size, KV, D]`` float32,
+        float16, or int8 with ``scales`` ``[blocks, block_size, KV]`` float32 (a value is
+        ``q * scale``); ``tables`` ``[S, max_blocks]`` and ``context_lens`` ``[S]`` int64.
         """
         s, h, d = q.shape
         _, block_size, kv, _ = k_cache.shape
+        kind = kv_kind(k_cache, scales)
         failed = self._attention(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
+            *_scale_ptrs(scales),
             tables.data_ptr(),
             tables.shape[1],
             context_lens.data_ptr(),
@@ -232,7 +238,7 @@ class Kernels:
             block_size,
             scale,
             out.data_ptr(),
-            _kv_half(k_cache),
+            kind,
         )
         if failed:
             raise MemoryError("native decode attention: out of memory for its partial results")
@@ -260,11 +266,14 @@ class Kernels:
         v_cache: torch.Tensor,
         q_out: torch.Tensor,
         k_out: torch.Tensor,
+        scales: KVScales | None = None,
     ) -> None:
         """Rotate queries and keys of the fused projection ``qkv`` ``[T, (H + 2 KV) D]`` into
         ``q_out`` ``[T, H, D]`` and ``k_out`` ``[T, KV, D]``; store keys and values at
-        ``slots`` of the caches. ``cos``/``sin`` ``[T, D]`` (``sin`` signed as rotate_half)."""
+        ``slots`` of the caches (int8 ones with ``scales``, as :func:`quantize_kv_rows`).
+        ``cos``/``sin`` ``[T, D]`` (``sin`` signed as rotate_half)."""
         t, h, d = q_out.shape
+        kind = kv_kind(k_cache, scales)
         self._rope_store(
             qkv.data_ptr(),
             t,
@@ -276,9 +285,10 @@ class Kernels:
             slots.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
+            *_scale_ptrs(scales),
             q_out.data_ptr(),
             k_out.data_ptr(),
-            _kv_half(k_cache),
+            kind,
         )
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
@@ -298,12 +308,12 @@ class Kernels:
         context_lens: torch.Tensor,
         block_size: int,
         scale: float,
-        kv_half: bool,
+        kv: int,
     ) -> None:
         """Every layer of an all-decode step in one call (``furnace_decode_layers``).
 
         ``layer_ptrs``: int64 ``[layers * self.layer_ptrs]`` weight and cache addresses
-        (caches float16 when ``kv_half``, else float32);
+        (caches and scales in the format ``kv``, a ``KV_*`` of :func:`kv_kind`);
         ``x`` ``[S, hidden]`` is updated in place to the residual stream after the last layer.
         """
         s = x.shape[0]
@@ -327,7 +337,7 @@ class Kernels:
             context_lens.data_ptr(),
             block_size,
             scale,
-            kv_half,
+            kv,
             scratch.data_ptr(),
         )
         if failed:
@@ -372,10 +382,39 @@ class DecodeDims:
         return 2 * self.hidden + qkv + attention + 3 * self.intermediate + quantized
 
 
-def _kv_half(cache: torch.Tensor) -> int:
-    if cache.dtype not in (torch.float32, torch.float16):
-        raise TypeError(f"native kernels take float32 or float16 KV caches, not {cache.dtype}")
-    return int(cache.dtype == torch.float16)
+#: A KV cache's format for the kernels (enum in cpu_kernels.c).
+KV_F32, KV_F16, KV_I8 = 0, 1, 2
+#: An int8 cache's key and value scales, ``[..., KV]`` float32 each.
+KVScales = tuple[torch.Tensor, torch.Tensor]
+
+
+def kv_kind(cache: torch.Tensor, scales: KVScales | None = None) -> int:
+    """The kernels' ``KV_*`` for a cache (int8 caches need their ``scales``)."""
+    if cache.dtype == torch.int8 and scales is not None:
+        return KV_I8
+    if cache.dtype in (torch.float32, torch.float16) and scales is None:
+        return KV_F16 if cache.dtype == torch.float16 else KV_F32
+    raise TypeError(
+        "native kernels take float32 or float16 KV caches, or int8 ones with their scales; "
+        f"not {cache.dtype} {'with' if scales is not None else 'without'} scales"
+    )
+
+
+def _scale_ptrs(scales: KVScales | None) -> tuple[int | None, int | None]:
+    return (None, None) if scales is None else (scales[0].data_ptr(), scales[1].data_ptr())
+
+
+def quantize_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[..., D]`` float -> int8 ``q`` and float32 ``scale`` ``[...]``, ``x ~ q * scale``.
+
+    Per row: ``q = round(x * 127 / max|x|)``, ``scale = max|x| / 127`` (a row of zeros: 0 and
+    0), the native kernels' arithmetic (``quantize_kv_row``), so both paths store the same
+    bytes."""
+    x = x.float()
+    top = x.abs().amax(dim=-1)
+    inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    q = torch.round(x * inv.unsqueeze(-1)).to(torch.int8)
+    return q, top / 127.0
 
 
 def cache_dir() -> Path:

@@ -28,6 +28,8 @@ from .sampling import GeneratorStore, sample
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
+#: The KV cache dtypes a runner takes (see RunnerConfig.kv_dtype).
+KV_DTYPES = ("auto", "model", "int8")
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -68,7 +70,9 @@ class RunnerConfig:
     native: bool = True
     # KV cache dtype: "auto" is float16 for int8 / q4 with the native kernels (half the bytes
     # that decode attention reads, and twice the tokens per MB), else the model dtype;
-    # "model" always keeps the model dtype.
+    # "model" always keeps the model dtype; "int8" stores int8 with one scale per token and
+    # KV head (about half a float16 cache's bytes: twice the tokens, and less for decode
+    # attention to read at long contexts; see docs/benchmarks.md for its cost in quality).
     kv_dtype: str = "auto"
 
 
@@ -111,10 +115,14 @@ class ModelRunner:
             )
         if self.dtype == torch.float32:
             self.model.use_native(kernels)
-        if settings.kv_dtype not in ("auto", "model"):
-            raise ValueError(f"kv_dtype must be 'auto' or 'model', got {settings.kv_dtype!r}")
+        if settings.kv_dtype not in KV_DTYPES:
+            raise ValueError(
+                f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {settings.kv_dtype!r}"
+            )
         half_kv = settings.kv_dtype == "auto" and self.quantization != "none" and kernels
         self.kv_dtype = torch.float16 if half_kv else self.dtype
+        if settings.kv_dtype == "int8":
+            self.kv_dtype = torch.int8
         per_block = KVCache.bytes_per_block(config, settings.block_size, self.kv_dtype)
         num_blocks = max(1, settings.kv_cache_bytes // per_block)
         self.cache = KVCache(
@@ -188,22 +196,30 @@ class ModelRunner:
             self.cache.copy_blocks(plan.block_copies)
             return self._forward(plan, all_rows=True)
 
-    def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def prompt_logits(self, token_ids: Sequence[int], chunk: int | None = None) -> torch.Tensor:
         """Next-token logits at every position of one sequence, ``[len, vocab]`` float32.
 
-        For perplexity (tests, benchmarks). It writes the KV cache from block 0 on, so it must
-        not run while an engine is serving from this runner.
+        For perplexity (tests, benchmarks). One prefill step, or with ``chunk`` steps of that
+        many tokens, each after the ones before it in the cache: then attention reads the
+        cached keys and values, as decoding does (what a quantized KV cache changes). It
+        writes the KV cache from block 0 on, so it must not run while an engine is serving
+        from this runner.
         """
         n = len(token_ids)
-        blocks = -(-n // self.block_size)
-        if n == 0 or blocks > self.num_blocks:
+        blocks = tuple(range(-(-n // self.block_size)))
+        if n == 0 or len(blocks) > self.num_blocks:
             raise ValueError(f"need 1..{self.num_blocks * self.block_size} tokens, got {n}")
-        plan = StepPlan((ChunkPlan(0, tuple(token_ids), 0, tuple(range(blocks))),))
+        size = chunk or n
+        out = []
         with torch.inference_mode():
-            inputs = build_inputs(plan, self.block_size, self.device)
-            every = torch.arange(n, dtype=torch.int64, device=self.device)
-            inputs = dataclasses.replace(inputs, logit_rows=every)
-            return self.model(inputs, self.cache)
+            for at in range(0, n, size):
+                ids = tuple(token_ids[at : at + size])
+                plan = StepPlan((ChunkPlan(0, ids, at, blocks),))
+                inputs = build_inputs(plan, self.block_size, self.device)
+                every = torch.arange(len(ids), dtype=torch.int64, device=self.device)
+                inputs = dataclasses.replace(inputs, logit_rows=every)
+                out.append(self.model(inputs, self.cache))
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def _forward(self, plan: StepPlan, *, all_rows: bool = False) -> torch.Tensor:
         inputs = build_inputs(plan, self.block_size, self.device, all_rows=all_rows)
