@@ -39,16 +39,22 @@ PROMPTS: tuple[str, ...] = (
 def split_runtime(runtime: str) -> tuple[str, bool]:
     """A benchmark runtime name -> (quantization, native kernels): a quantization (``q4``,
     ``int8``, ``none``), or one with ``-torch`` (``int8-torch``, ``none-torch``): the same
-    without the native kernels (the baseline before them)."""
-    quantization, _, kernels = runtime.partition("-")
+    without the native kernels (the baseline before them). ``+kv8`` (``q4+kv8``) adds an
+    int8 KV cache (see :func:`runtime_config`)."""
+    quantization, _, kernels = runtime.partition("+")[0].partition("-")
     return quantization, kernels != "torch"
 
 
 def runtime_config(runtime: str, kv_cache_bytes: int = 512 << 20) -> RunnerConfig:
     """The CPU runner for a benchmark runtime name (:func:`split_runtime`)."""
     quantization, native = split_runtime(runtime)
+    kv_dtype = "int8" if runtime.endswith("+kv8") else "auto"
     return RunnerConfig(
-        device="cpu", kv_cache_bytes=kv_cache_bytes, quantization=quantization, native=native
+        device="cpu",
+        kv_cache_bytes=kv_cache_bytes,
+        quantization=quantization,
+        native=native,
+        kv_dtype=kv_dtype,
     )
 
 

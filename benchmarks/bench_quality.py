@@ -10,9 +10,14 @@
 
 ``q4`` is the 4-bit native kernel (the default model's own Q4_1 weights, int8 activations
 per group of 32), ``int8`` the native weight-only kernel, ``int8-torch`` the fbgemm path
-(int8 activations in two 7-bit passes).
+(int8 activations in two 7-bit passes); ``+kv8`` (``q4+kv8``) adds an int8 KV cache.
 
-    python benchmarks/bench_quality.py [--runtimes none,q4,int8,int8-torch]
+Perplexity and teacher-forced agreement come from one prefill per text, where attention
+reads a chunk's own keys, not the cache; ``--chunk 16`` feeds the text 16 tokens at a time
+instead, each chunk after the cached ones, so attention reads the KV cache as decoding
+does (what ``+kv8`` changes).
+
+    python benchmarks/bench_quality.py [--runtimes none,q4,int8,int8-torch] [--chunk 16]
 """
 
 from __future__ import annotations
@@ -51,14 +56,15 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[li
     return out
 
 
-def perplexity(runner: ModelRunner, ids: list[int]) -> float:
-    logits = runner.prompt_logits(ids)
+def perplexity(runner: ModelRunner, ids: list[int], chunk: int | None) -> float:
+    logits = runner.prompt_logits(ids, chunk)
     return math.exp(float(F.cross_entropy(logits[:-1], torch.tensor(ids[1:]))))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runtimes", default="none,q4,int8,int8-torch")
+    ap.add_argument("--chunk", type=int, default=None, help="tokens per step (default: one)")
     args = ap.parse_args()
     quants = ["none", *(q for q in args.runtimes.split(",") if q != "none")]
     print(f"machine: {machine()}")
@@ -75,15 +81,19 @@ def main() -> None:
         differ = sum(a != b for a, b in zip(alone[quant], batched, strict=True))
         print(
             f"{quant}: batch invariance: {differ}/{len(prompts)} prompts differ alone vs in "
-            f"a batch of {len(prompts)}; perplexity {perplexity(runner, text_ids):.3f} "
-            f"({len(text_ids)} tokens)"
+            f"a batch of {len(prompts)}; perplexity {perplexity(runner, text_ids, args.chunk):.3f} "
+            f"({len(text_ids)} tokens, {args.chunk or 'one step'} per step)"
         )
     for quant in quants[1:]:
-        agreement(quant, prompts, alone, runners[quant])
+        agreement(quant, prompts, alone, runners[quant], args.chunk)
 
 
 def agreement(
-    quant: str, prompts: list[list[int]], alone: dict[str, list[list[int]]], runner: ModelRunner
+    quant: str,
+    prompts: list[list[int]],
+    alone: dict[str, list[list[int]]],
+    runner: ModelRunner,
+    chunk: int | None,
 ) -> None:
     same = prefix = total = 0
     for f, q in zip(alone["none"], alone[quant], strict=True):
@@ -94,7 +104,7 @@ def agreement(
     identical = sum(f == q for f, q in zip(alone["none"], alone[quant], strict=True))
     forced = 0
     for p, f in zip(prompts, alone["none"], strict=True):
-        logits = runner.prompt_logits(p + f[:-1])[len(p) - 1 :]
+        logits = runner.prompt_logits(p + f[:-1], chunk)[len(p) - 1 :]
         forced += sum(int(a) == b for a, b in zip(logits.argmax(-1).tolist(), f, strict=True))
     print(
         f"{quant} vs float32 over {len(prompts)} prompts x {STEPS} greedy tokens: teacher-forced "

@@ -6,13 +6,15 @@ context (default 150; ``decode1@2000`` is one sequence at 2,000), a fresh 250-to
 prefill, and a 250-token chunk after 1,600 cached tokens. With
 ``--baseline DIR`` a copy of the package (importable as ``furnace_base`` from ``DIR``) is
 timed in the same process, interleaved, and ratios are printed (baseline / current).
+``--kv-dtype int8,auto`` times the runner with an int8 KV cache beside one with the
+default cache instead (ratios: the second / the first).
 ``--thread`` also times the decode step from a Trio worker thread, as the engine calls it.
 ``--stub-kernels`` replaces the fused decode call and the 4-bit / 8-bit linear layers with
 stubs (the LM head writes zeros), so a decode step times only the runner's own Python and
 torch work around them.
 
     python benchmarks/bench_step.py [--baseline /tmp/base] [--quant none,int8] [--thread]
-        [--ctx 150,2000]
+        [--ctx 150,2000] [--kv-dtype int8,auto]
 """
 
 from __future__ import annotations
@@ -83,6 +85,12 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated plan names")
     ap.add_argument("--ctx", default="150", help="decode contexts, comma-separated")
     ap.add_argument("--stub-kernels", action="store_true")
+    ap.add_argument(
+        "--kv-dtype",
+        default="auto",
+        help="the runners' KV cache dtype; two, comma-separated (auto,int8): the second "
+        "runs beside the first as its reference (without --baseline)",
+    )
     args = ap.parse_args()
     base_ctx, *contexts = (int(c) for c in args.ctx.split(","))
     loaded = load_model(None)
@@ -90,25 +98,34 @@ def main() -> None:
     # Room for 16 sequences at the longest context and the prefills (float32, 16-token blocks).
     blocks = 16 * (max([base_ctx, *contexts]) // 16 + 2) + 200
     kv_bytes = blocks * 16 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
-    mods = {"current": importlib.import_module("furnace_trio.runner")}
+    kv_dtypes = args.kv_dtype.split(",")
+    if args.baseline and len(kv_dtypes) > 1:
+        raise SystemExit("--baseline takes one --kv-dtype")
+    current = importlib.import_module("furnace_trio.runner")
+    # side -> (runner module, KV dtype); the second side is the first's reference
+    sides = {"current": (current, kv_dtypes[0])}
     if args.baseline:
         sys.path.insert(0, args.baseline)
-        mods["baseline"] = importlib.import_module("furnace_base.runner")
+        sides["baseline"] = (importlib.import_module("furnace_base.runner"), kv_dtypes[0])
+    elif len(kv_dtypes) > 1:
+        sides[f"kv {kv_dtypes[1]}"] = (current, kv_dtypes[1])
     print(f"threads {torch.get_num_threads()}, cpu {torch.backends.cpu.get_cpu_capability()}")
     for quant in args.quant.split(","):
         runners = {}
-        for name, mod in mods.items():
-            settings = mod.RunnerConfig(device="cpu", kv_cache_bytes=kv_bytes, quantization=quant)
+        for name, (mod, kv_dtype) in sides.items():
+            settings = mod.RunnerConfig(
+                device="cpu", kv_cache_bytes=kv_bytes, quantization=quant, kv_dtype=kv_dtype
+            )
             runners[name] = mod.ModelRunner(loaded.config, dict(loaded.weights), settings)
             if args.stub_kernels:
                 _stub(runners[name]._kernels)
-        results: dict[str, dict[str, list[float]]] = {n: {} for n in mods}
-        for name, mod in mods.items():
+        results: dict[str, dict[str, list[float]]] = {n: {} for n in sides}
+        for name, (mod, _) in sides.items():
             plans = _plans(mod, base_ctx, 16, runners[name].block_size, tuple(contexts))
             # Fill the cache once so chunk@1600 attends real numbers.
             runners[name].step(plans["prefill250"])
         for rnd in range(args.rounds):
-            order = list(mods.items())
+            order = [(name, mod) for name, (mod, _) in sides.items()]
             for name, mod in order if rnd % 2 == 0 else order[::-1]:
                 plans = _plans(mod, base_ctx, 16, runners[name].block_size, tuple(contexts))
                 r = runners[name]
@@ -127,12 +144,13 @@ def main() -> None:
                         )
 
                     results[name].setdefault("decode1[trio thread]", []).append(trio.run(in_thread))
+        names = list(sides)
         for key in results["current"]:
             cur = statistics.median(results["current"][key]) * 1e3
             line = f"{quant:5s} {key:22s} current {cur:8.2f} ms"
-            if "baseline" in results:
-                base = statistics.median(results["baseline"][key]) * 1e3
-                line += f"  baseline {base:8.2f} ms  speedup {base / cur:5.2f}x"
+            if len(names) == 2:
+                base = statistics.median(results[names[1]][key]) * 1e3
+                line += f"  {names[1]} {base:8.2f} ms  speedup {base / cur:5.2f}x"
             print(line, flush=True)
 
 
