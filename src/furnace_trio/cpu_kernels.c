@@ -588,6 +588,8 @@ void furnace_qx_linear(int bits, const float *x, int64_t M, int64_t K, const uin
  * same in any batch and on any number of threads. */
 #define ATT_CHUNK 64
 #define ATT_PREFETCH 6
+/* Key rows of up to this many vectors are kept in registers for a KV head's query heads. */
+#define ATT_KEY_VECS 8
 
 /* sc[p] = exp(sc[p] - shift), returning the sum. */
 static float exp_shifted(float *sc, int64_t n, float shift) {
@@ -656,7 +658,6 @@ static ALWAYS_INLINE void attend_chunk(const float *qs, const void *k_cache, con
         rows[p - p0] = slot * width;
         srows[p - p0] = slot * KV;
     }
-    for (int64_t h = 0; h < H; h++) mx[h] = -INFINITY;
     for (int64_t i = 0; i < n; i++) {
 #if VW > 1
         /* Blocks are scattered: fetch a position's rows (keys, and values for the second
@@ -673,18 +674,32 @@ static ALWAYS_INLINE void attend_chunk(const float *qs, const void *k_cache, con
             }
         }
 #endif
-        for (int64_t h = 0; h < H; h++) {
-            const float *qh = qs + h * D;
-            const int64_t kp = rows[i] + (h / group) * D;
-            vf acc = v_zero();
-            for (int64_t d = 0; d < dv; d += VW)
-                acc = v_fma(v_load(qh + d), kv_vec(k_cache, kp + d, kind), acc);
-            float dot = v_sum(acc);
-            for (int64_t d = dv; d < D; d++) dot += qh[d] * kv_at(k_cache, kp + d, kind);
-            dot *= kind == KV_I8 ? scale * k_scale[srows[i] + h / group] : scale;
-            sc[h * ATT_CHUNK + i] = dot;
-            if (dot > mx[h]) mx[h] = dot;
+        /* Per KV head: its key row read (and widened) once for the group's query heads,
+         * whose dot products are independent chains. */
+        for (int64_t g = 0; g < KV; g++) {
+            const int64_t kp = rows[i] + g * D;
+            const float ks = kind == KV_I8 ? scale * k_scale[srows[i] + g] : scale;
+            vf key[ATT_KEY_VECS];
+            const int keep = dv <= ATT_KEY_VECS * VW;
+            if (keep)
+                for (int64_t d = 0; d < dv; d += VW) key[d / VW] = kv_vec(k_cache, kp + d, kind);
+            for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                const float *qh = qs + h * D;
+                vf acc = v_zero();
+                for (int64_t d = 0; d < dv; d += VW)
+                    acc = v_fma(v_load(qh + d), keep ? key[d / VW] : kv_vec(k_cache, kp + d, kind),
+                                acc);
+                float dot = v_sum(acc);
+                for (int64_t d = dv; d < D; d++) dot += qh[d] * kv_at(k_cache, kp + d, kind);
+                sc[h * ATT_CHUNK + i] = dot * ks;
+            }
         }
+    }
+    for (int64_t h = 0; h < H; h++) {
+        const float *row = sc + h * ATT_CHUNK;
+        float top = -INFINITY;
+        for (int64_t i = 0; i < n; i++) top = row[i] > top ? row[i] : top;
+        mx[h] = top;
     }
     for (int64_t h = 0; h < H; h++) l[h] = exp_shifted(sc + h * ATT_CHUNK, n, mx[h]);
     /* int8 values: each weight takes its row's scale (after the sums above). */
