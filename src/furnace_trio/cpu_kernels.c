@@ -590,6 +590,8 @@ void furnace_qx_linear(int bits, const float *x, int64_t M, int64_t K, const uin
 #define ATT_PREFETCH 6
 /* Key rows of up to this many vectors are kept in registers for a KV head's query heads. */
 #define ATT_KEY_VECS 8
+/* Query heads whose weighted values are summed together (twelve accumulators). */
+#define ATT_VALUE_HEADS 3
 
 /* sc[p] = exp(sc[p] - shift), returning the sum. */
 static float exp_shifted(float *sc, int64_t n, float shift) {
@@ -635,6 +637,33 @@ static void quantize_kv_row(const float *x, int64_t n, int8_t *q, float *scale) 
     const float inv = top > 0.0f ? 127.0f / top : 0.0f;
     for (int64_t i = 0; i < n; i++) q[i] = (int8_t)nearbyintf(x[i] * inv);
     *scale = top / 127.0f;
+}
+
+/* The weighted sums of values over a chunk's n positions, for cnt query heads of one KV
+ * head (value rows at rows[i] + vo): o[c * D + d] = sum_i w[c * ATT_CHUNK + i] v_i[d] for d
+ * below blocked (a multiple of four vectors), four vectors per head kept in registers. */
+static ALWAYS_INLINE void value_blocks(const float *w, const int cnt, const void *v_cache,
+                                       const int64_t *rows, int64_t n, int64_t vo,
+                                       int64_t blocked, float *o, int64_t D, const int kind) {
+    for (int64_t d0 = 0; d0 < blocked; d0 += 4 * VW) {
+        vf a[ATT_VALUE_HEADS][4];
+        for (int c = 0; c < cnt; c++)
+            for (int j = 0; j < 4; j++) a[c][j] = v_zero();
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t vp = rows[i] + vo + d0;
+            const vf v0 = kv_vec(v_cache, vp, kind), v1 = kv_vec(v_cache, vp + VW, kind);
+            const vf v2 = kv_vec(v_cache, vp + 2 * VW, kind), v3 = kv_vec(v_cache, vp + 3 * VW, kind);
+            for (int c = 0; c < cnt; c++) {
+                const vf wv = v_set1(w[c * ATT_CHUNK + i]);
+                a[c][0] = v_fma(wv, v0, a[c][0]);
+                a[c][1] = v_fma(wv, v1, a[c][1]);
+                a[c][2] = v_fma(wv, v2, a[c][2]);
+                a[c][3] = v_fma(wv, v3, a[c][3]);
+            }
+        }
+        for (int c = 0; c < cnt; c++)
+            for (int j = 0; j < 4; j++) v_store(o + c * D + d0 + j * VW, a[c][j]);
+    }
 }
 
 /* Positions [p0, p1) of one sequence (p1 - p0 <= ATT_CHUNK), every head. qs: the
@@ -706,38 +735,38 @@ static ALWAYS_INLINE void attend_chunk(const float *qs, const void *k_cache, con
     if (kind == KV_I8)
         for (int64_t h = 0; h < H; h++)
             for (int64_t i = 0; i < n; i++) sc[h * ATT_CHUNK + i] *= v_scale[srows[i] + h / group];
-    /* Values: per head, blocks of four vectors of D kept in registers over the chunk. */
-    for (int64_t h = 0; h < H; h++) {
+    /* Values: blocks of four vectors of D kept in registers over the chunk, for up to
+     * ATT_VALUE_HEADS query heads of one KV head at a time (a value row read once for them). */
+    const int64_t blocked = D - D % (4 * VW);
+    for (int64_t h = 0; h < H;) {
+        const int64_t left = (h / group + 1) * group - h; /* heads left in this KV group */
+        const int cnt = left < ATT_VALUE_HEADS ? (int)left : ATT_VALUE_HEADS;
         const float *w = sc + h * ATT_CHUNK;
         const int64_t vo = (h / group) * D;
-        float *oh = o + h * D;
-        int64_t d0 = 0;
-        for (; d0 + 4 * VW <= D; d0 += 4 * VW) {
-            vf a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
-            for (int64_t i = 0; i < n; i++) {
-                const int64_t vp = rows[i] + vo + d0;
-                const vf wv = v_set1(w[i]);
-                a0 = v_fma(wv, kv_vec(v_cache, vp, kind), a0);
-                a1 = v_fma(wv, kv_vec(v_cache, vp + VW, kind), a1);
-                a2 = v_fma(wv, kv_vec(v_cache, vp + 2 * VW, kind), a2);
-                a3 = v_fma(wv, kv_vec(v_cache, vp + 3 * VW, kind), a3);
+        if (cnt == 3)
+            value_blocks(w, 3, v_cache, rows, n, vo, blocked, o + h * D, D, kind);
+        else if (cnt == 2)
+            value_blocks(w, 2, v_cache, rows, n, vo, blocked, o + h * D, D, kind);
+        else
+            value_blocks(w, 1, v_cache, rows, n, vo, blocked, o + h * D, D, kind);
+        for (int64_t c = h; c < h + cnt; c++) {
+            const float *wc = sc + c * ATT_CHUNK;
+            float *oh = o + c * D;
+            int64_t d0 = blocked;
+            for (; d0 < dv; d0 += VW) {
+                vf a = v_zero();
+                for (int64_t i = 0; i < n; i++)
+                    a = v_fma(v_set1(wc[i]), kv_vec(v_cache, rows[i] + vo + d0, kind), a);
+                v_store(oh + d0, a);
             }
-            v_store(oh + d0, a0);
-            v_store(oh + d0 + VW, a1);
-            v_store(oh + d0 + 2 * VW, a2);
-            v_store(oh + d0 + 3 * VW, a3);
+            for (; d0 < D; d0++) {
+                float a = 0.0f;
+                for (int64_t i = 0; i < n; i++)
+                    a += wc[i] * kv_at(v_cache, rows[i] + vo + d0, kind);
+                oh[d0] = a;
+            }
         }
-        for (; d0 < dv; d0 += VW) {
-            vf a = v_zero();
-            for (int64_t i = 0; i < n; i++)
-                a = v_fma(v_set1(w[i]), kv_vec(v_cache, rows[i] + vo + d0, kind), a);
-            v_store(oh + d0, a);
-        }
-        for (; d0 < D; d0++) {
-            float a = 0.0f;
-            for (int64_t i = 0; i < n; i++) a += w[i] * kv_at(v_cache, rows[i] + vo + d0, kind);
-            oh[d0] = a;
-        }
+        h += cnt;
     }
 }
 
