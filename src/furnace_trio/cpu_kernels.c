@@ -588,8 +588,6 @@ void furnace_qx_linear(int bits, const float *x, int64_t M, int64_t K, const uin
  * same in any batch and on any number of threads. */
 #define ATT_CHUNK 64
 #define ATT_PREFETCH 6
-/* Key rows of up to this many vectors are kept in registers for a KV head's query heads. */
-#define ATT_KEY_VECS 8
 /* Query heads whose weighted values are summed together (twelve accumulators). */
 #define ATT_VALUE_HEADS 3
 
@@ -637,6 +635,21 @@ static void quantize_kv_row(const float *x, int64_t n, int8_t *q, float *scale) 
     const float inv = top > 0.0f ? 127.0f / top : 0.0f;
     for (int64_t i = 0; i < n; i++) q[i] = (int8_t)nearbyintf(x[i] * inv);
     *scale = top / 127.0f;
+}
+
+/* Scores of query heads [h0, h0 + cnt) against one key row at kp of exactly nv vectors
+ * (D = nv VW), the row widened once into registers: out[h * ATT_CHUNK] = ks (q_h . k). */
+static ALWAYS_INLINE void key_scores(const float *qs, const void *k_cache, int64_t kp, int64_t h0,
+                                     int64_t cnt, const int nv, int64_t D, float ks, float *out,
+                                     const int kind) {
+    vf key[8];
+    for (int j = 0; j < nv; j++) key[j] = kv_vec(k_cache, kp + j * VW, kind);
+    for (int64_t h = h0; h < h0 + cnt; h++) {
+        const float *qh = qs + h * D;
+        vf acc = v_zero();
+        for (int j = 0; j < nv; j++) acc = v_fma(v_load(qh + j * VW), key[j], acc);
+        out[h * ATT_CHUNK] = v_sum(acc) * ks;
+    }
 }
 
 /* The weighted sums of values over a chunk's n positions, for cnt query heads of one KV
@@ -708,20 +721,20 @@ static ALWAYS_INLINE void attend_chunk(const float *qs, const void *k_cache, con
         for (int64_t g = 0; g < KV; g++) {
             const int64_t kp = rows[i] + g * D;
             const float ks = kind == KV_I8 ? scale * k_scale[srows[i] + g] : scale;
-            vf key[ATT_KEY_VECS];
-            const int keep = dv <= ATT_KEY_VECS * VW;
-            if (keep)
-                for (int64_t d = 0; d < dv; d += VW) key[d / VW] = kv_vec(k_cache, kp + d, kind);
-            for (int64_t h = g * group; h < (g + 1) * group; h++) {
-                const float *qh = qs + h * D;
-                vf acc = v_zero();
-                for (int64_t d = 0; d < dv; d += VW)
-                    acc = v_fma(v_load(qh + d), keep ? key[d / VW] : kv_vec(k_cache, kp + d, kind),
-                                acc);
-                float dot = v_sum(acc);
-                for (int64_t d = dv; d < D; d++) dot += qh[d] * kv_at(k_cache, kp + d, kind);
-                sc[h * ATT_CHUNK + i] = dot * ks;
-            }
+            if (D == 4 * VW)
+                key_scores(qs, k_cache, kp, g * group, group, 4, D, ks, sc + i, kind);
+            else if (D == 8 * VW)
+                key_scores(qs, k_cache, kp, g * group, group, 8, D, ks, sc + i, kind);
+            else
+                for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                    const float *qh = qs + h * D;
+                    vf acc = v_zero();
+                    for (int64_t d = 0; d < dv; d += VW)
+                        acc = v_fma(v_load(qh + d), kv_vec(k_cache, kp + d, kind), acc);
+                    float dot = v_sum(acc);
+                    for (int64_t d = dv; d < D; d++) dot += qh[d] * kv_at(k_cache, kp + d, kind);
+                    sc[h * ATT_CHUNK + i] = dot * ks;
+                }
         }
     }
     for (int64_t h = 0; h < H; h++) {
