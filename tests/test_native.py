@@ -266,6 +266,19 @@ def test_paged_decode_attention_is_batch_invariant(
         assert torch.equal(alone[0], batch[i]), lengths[i]
 
 
+def test_kv_kind_needs_scales_exactly_for_int8() -> None:
+    scales = (torch.zeros(2, 1), torch.zeros(2, 1))
+    assert native.kv_kind(torch.zeros(2, 1, 4)) == native.KV_F32
+    assert native.kv_kind(torch.zeros(2, 1, 4, dtype=torch.float16)) == native.KV_F16
+    assert native.kv_kind(torch.zeros(2, 1, 4, dtype=torch.int8), scales) == native.KV_I8
+    with pytest.raises(TypeError, match="without scales"):
+        native.kv_kind(torch.zeros(2, 1, 4, dtype=torch.int8))
+    with pytest.raises(TypeError, match="with scales"):
+        native.kv_kind(torch.zeros(2, 1, 4), scales)
+    with pytest.raises(TypeError, match="bfloat16"):
+        native.kv_kind(torch.zeros(2, 1, 4, dtype=torch.bfloat16))
+
+
 def test_add_rmsnorm(kernels: native.Kernels) -> None:
     torch.manual_seed(2)
     x = torch.randn(5, 100) * 3

@@ -173,7 +173,7 @@ class KVCache:
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.scales: native.KVScales | None = None
         if dtype == torch.int8:
             scale_shape = shape[:-1]
             self.scales = (
@@ -194,7 +194,7 @@ class KVCache:
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
-        row = config.head_dim * element + (4 if dtype == torch.int8 else 0)  # + an int8 scale
+        row = config.head_dim * element + (4 if dtype == torch.int8 else 0)  # + int8's scale
         return 2 * config.num_layers * block_size * config.num_kv_heads * row
 
     def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
