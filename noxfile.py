@@ -51,11 +51,12 @@ def serve(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Speed (engine, HTTP, the HTTP side and its stack per token, runner steps) and quality
-    (~19 min).
+    (~27 min).
 
     Engine-level and HTTP speed against transformers, what the HTTP side and the serving
-    stack under it cost per token, runner step times at contexts of 150 and 2,000 tokens,
-    and q4 / int8 quality.
+    stack under it cost per token, runner step times at contexts of 150 and 2,000 tokens
+    (and with an int8 KV cache against the default one), q4 / int8 quality, and the int8
+    KV cache's quality with every step reading the cache.
 
     ``nox -s bench -- --quick`` is a smoke run of the two speed benchmarks.
     """
@@ -68,7 +69,20 @@ def bench(session: nox.Session) -> None:
         session.run("python", "bench_overhead.py", "--streams", "16", "--rounds", "6")
         session.run("python", "bench_stack.py")
         session.run("python", "bench_step.py", "--quant", "auto", "--ctx", "150,2000")
+        session.run(
+            "python",
+            "bench_step.py",
+            "--quant",
+            "auto",
+            "--ctx",
+            "150,2000",
+            "--kv-dtype",
+            "int8,auto",
+            "--only",
+            "decode1,decode16,decode1@2000,decode16@2000",
+        )
         session.run("python", "bench_quality.py")
+        session.run("python", "bench_quality.py", "--runtimes", "q4,q4+kv8", "--chunk", "16")
 
 
 @nox.session
