@@ -244,6 +244,18 @@ def test_kv_dtype_follows_the_runtime(tmp_path: Path) -> None:
         device="cpu", kv_cache_bytes=1 << 22, quantization="int8", kv_dtype="model"
     )
     assert ModelRunner(config, weights, settings).cache.k.dtype == torch.float32
+    # float16 on request, for the float runtime too (native and torch paths): decodes that
+    # read it stay close to a float32 cache's
+    _, prompts, decodes = _ragged_decode(config.vocab_size)
+    for native in (True, False):
+        half, full = _runner(path, native=native, kv_dtype="float16"), _runner(path, native=native)
+        assert half.cache.k.dtype == torch.float16 and half.quantization == "none"
+        assert full.cache.k.dtype == torch.float32
+        half.logits(prompts)
+        full.logits(prompts)
+        got, want = half.logits(decodes), full.logits(decodes)
+        assert not torch.equal(got, want)
+        assert float((got - want).norm() / want.norm()) < 1e-3
     with pytest.raises(ValueError, match="kv_dtype"):
         ModelRunner(config, weights, RunnerConfig(device="cpu", kv_dtype="int4"))
     # the server's settings (which do not import torch) accept the same names

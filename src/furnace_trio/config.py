@@ -18,7 +18,7 @@ DEVICES: tuple[str, ...] = ("cpu", "cuda", "auto")
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "q4")  # as quant.QUANTIZATIONS
 #: KV cache dtypes (``FURNACE_KV_CACHE_DTYPE``), as runner.KV_DTYPES.
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "model", "int8")
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "model", "float16", "int8")
 LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Tool-call output formats (``auto``: from the model's chat template, see docs/tools.md).
 TOOL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3", "mistral")
