@@ -54,9 +54,9 @@ def bench(session: nox.Session) -> None:
     (~27 min).
 
     Engine-level and HTTP speed against transformers, what the HTTP side and the serving
-    stack under it cost per token, runner step times at contexts of 150 and 2,000 tokens
-    (and with an int8 KV cache against the default one), q4 / int8 quality, and the int8
-    KV cache's quality with every step reading the cache.
+    stack under it cost per token, the decode attention kernel alone, runner step times at
+    contexts of 150 and 2,000 tokens (and with an int8 KV cache against the default one),
+    q4 / int8 quality, and the int8 KV cache's quality with every step reading the cache.
 
     ``nox -s bench -- --quick`` is a smoke run of the two speed benchmarks.
     """
@@ -68,6 +68,7 @@ def bench(session: nox.Session) -> None:
         session.run("python", "bench_overhead.py")
         session.run("python", "bench_overhead.py", "--streams", "16", "--rounds", "6")
         session.run("python", "bench_stack.py")
+        session.run("python", "bench_attention.py")
         session.run("python", "bench_step.py", "--quant", "auto", "--ctx", "150,2000")
         session.run(
             "python",
