@@ -11,6 +11,11 @@ Lifecycle (see ``TRIO-NOTES.md``):
   with ``exit_on_engine_failure`` the process then exits with :data:`ENGINE_FAILURE_EXIT`.
   ``after_serving`` drains, shuts the engine down and cancels it explicitly (quart-trio
   would wait 5 s for it otherwise).
+- Once the engine runs, the startup heap (the libraries, the model's Python objects, the
+  tokenizer) is frozen out of the cyclic garbage collector (``gc.freeze``, as vLLM and
+  SGLang do): a full collection over it took about 155 ms on the default model, a stall
+  of every stream while it held the GIL. ``after_serving`` thaws it, so that an app
+  built and stopped in a long-lived process (tests) leaves nothing behind.
 - Drain (:func:`drain`): stop admitting (503 with ``Retry-After``, ``/health`` 503), let
   requests in flight finish for ``drain_timeout_s``, then fail the rest (an SSE error
   event or a 503 error object, never a silent cut). Hypercorn calls ``after_serving`` only
@@ -27,6 +32,7 @@ Lifecycle (see ``TRIO-NOTES.md``):
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hmac
 import json
 import logging
@@ -202,8 +208,13 @@ def create_app(
             factory = load_backend
         state.backend = await trio.to_thread.run_sync(factory, cfg)
         await app.nursery.start(_supervise_engine, state)
+        gc.collect()
+        gc.freeze()
         logger.info(
-            "serving %s (context %d tokens)", state.backend.model_name, state.backend.max_context
+            "serving %s (context %d tokens; %d startup objects frozen out of the collector)",
+            state.backend.model_name,
+            state.backend.max_context,
+            gc.get_freeze_count(),
         )
 
     @app.after_serving
@@ -214,6 +225,7 @@ def create_app(
             backend.engine.shutdown()
         if state.engine_scope is not None:
             state.engine_scope.cancel()
+        gc.unfreeze()
 
     _register_error_handlers(app)
     _register_routes(app, state)
