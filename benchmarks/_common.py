@@ -36,19 +36,21 @@ PROMPTS: tuple[str, ...] = (
 )
 
 
-def split_runtime(runtime: str) -> tuple[str, bool]:
-    """A benchmark runtime name -> (quantization, native kernels): a quantization (``q4``,
-    ``int8``, ``none``), or one with ``-torch`` (``int8-torch``, ``none-torch``): the same
-    without the native kernels (the baseline before them). ``+kv8`` (``q4+kv8``) adds an
-    int8 KV cache (see :func:`runtime_config`)."""
-    quantization, _, kernels = runtime.partition("+")[0].partition("-")
-    return quantization, kernels != "torch"
+def split_runtime(runtime: str) -> tuple[str, bool, str]:
+    """A benchmark runtime name -> (quantization, native kernels, KV cache dtype): a
+    quantization (``q4``, ``int8``, ``none``), or one with ``-torch`` (``int8-torch``,
+    ``none-torch``): the same without the native kernels (the baseline before them);
+    ``+kv8`` (``q4+kv8``) adds an int8 KV cache."""
+    name, plus, kv = runtime.partition("+")
+    if plus and kv != "kv8":
+        raise ValueError(f"unknown runtime suffix in {runtime!r} (only +kv8)")
+    quantization, _, kernels = name.partition("-")
+    return quantization, kernels != "torch", "int8" if plus else "auto"
 
 
 def runtime_config(runtime: str, kv_cache_bytes: int = 512 << 20) -> RunnerConfig:
     """The CPU runner for a benchmark runtime name (:func:`split_runtime`)."""
-    quantization, native = split_runtime(runtime)
-    kv_dtype = "int8" if runtime.endswith("+kv8") else "auto"
+    quantization, native, kv_dtype = split_runtime(runtime)
     return RunnerConfig(
         device="cpu",
         kv_cache_bytes=kv_cache_bytes,

@@ -39,24 +39,27 @@ def build(source: Path | None, flags: tuple[str, ...]) -> native.Kernels:
     return kernels
 
 
-def caches(blocks: int, gen: torch.Generator) -> dict[str, tuple[torch.Tensor, ...]]:
+Cache = tuple[torch.Tensor, torch.Tensor, native.KVScales | None]
+
+
+def caches(blocks: int, gen: torch.Generator) -> dict[str, Cache]:
     """name -> (k, v, scales or None): float16, and int8 with its scales."""
     k = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
     v = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
     (kq, ks), (vq, vs) = native.quantize_kv_rows(k), native.quantize_kv_rows(v)
-    return {"float16": (k.half(), v.half()), "int8": (kq, vq, ks, vs)}
+    return {"float16": (k.half(), v.half(), None), "int8": (kq, vq, (ks, vs))}
 
 
 def call(
     kernels: native.Kernels,
-    cache: tuple[torch.Tensor, ...],
+    cache: Cache,
     q: torch.Tensor,
     tables: torch.Tensor,
     lens: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    scales = (cache[2], cache[3]) if len(cache) == 4 else None
-    kernels.paged_decode_attention(q, cache[0], cache[1], tables, lens, HEAD_DIM**-0.5, out, scales)
+    k, v, scales = cache
+    kernels.paged_decode_attention(q, k, v, tables, lens, HEAD_DIM**-0.5, out, scales)
 
 
 def main() -> None:

@@ -125,9 +125,10 @@ async def run(
 def serve(
     quant: str, port: int, extra_env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
-    name, native = split_runtime(quant)
+    name, native, kv_dtype = split_runtime(quant)
     env = dict(os.environ, FURNACE_QUANT=name, FURNACE_LOG_LEVEL="WARNING", **(extra_env or {}))
     env["FURNACE_NATIVE"] = "1" if native else "0"
+    env["FURNACE_KV_CACHE_DTYPE"] = kv_dtype
     cmd = [sys.executable, "-m", "hypercorn", "-c", str(ROOT / "hypercorn.toml")]
     cmd += ["--bind", f"127.0.0.1:{port}", "--access-logfile", "/dev/null"]
     cmd += ["furnace_trio.app:app"]

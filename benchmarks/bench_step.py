@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from furnace_trio.loader import load_model
+from furnace_trio.model import KVCache
 
 
 def _plans(
@@ -97,7 +98,7 @@ def main() -> None:
     cfg = loaded.config
     # Room for 16 sequences at the longest context and the prefills (float32, 16-token blocks).
     blocks = 16 * (max([base_ctx, *contexts]) // 16 + 2) + 200
-    kv_bytes = blocks * 16 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    kv_bytes = blocks * KVCache.bytes_per_block(cfg, 16, torch.float32)
     kv_dtypes = args.kv_dtype.split(",")
     if args.baseline and len(kv_dtypes) > 1:
         raise SystemExit("--baseline takes one --kv-dtype")

@@ -409,8 +409,7 @@ class Attention(nn.Module):
         if d is None:
             return
         n = d.tables.shape[0]
-        native_kv = kv.scales is not None or kv.k.dtype in (torch.float32, torch.float16)
-        if self.kernels is not None and native_kv:
+        if self.kernels is not None and native.supports_kv(kv.k, kv.scales):
             qd = (q if d.flat_rows is None else q[d.flat_rows]).contiguous()
             target = out if d.flat_rows is None else torch.empty_like(qd)
             self.kernels.paged_decode_attention(

@@ -388,12 +388,17 @@ KV_F32, KV_F16, KV_I8 = 0, 1, 2
 KVScales = tuple[torch.Tensor, torch.Tensor]
 
 
+def supports_kv(cache: torch.Tensor, scales: KVScales | None = None) -> bool:
+    """Whether the kernels take this cache: float32 or float16, or int8 with its scales."""
+    if scales is not None:
+        return cache.dtype == torch.int8
+    return cache.dtype in (torch.float32, torch.float16)
+
+
 def kv_kind(cache: torch.Tensor, scales: KVScales | None = None) -> int:
     """The kernels' ``KV_*`` for a cache (int8 caches need their ``scales``)."""
-    if cache.dtype == torch.int8 and scales is not None:
-        return KV_I8
-    if cache.dtype in (torch.float32, torch.float16) and scales is None:
-        return KV_F16 if cache.dtype == torch.float16 else KV_F32
+    if supports_kv(cache, scales):
+        return {torch.int8: KV_I8, torch.float16: KV_F16}.get(cache.dtype, KV_F32)
     raise TypeError(
         "native kernels take float32 or float16 KV caches, or int8 ones with their scales; "
         f"not {cache.dtype} {'with' if scales is not None else 'without'} scales"

@@ -71,9 +71,9 @@ class RunnerConfig:
     # KV cache dtype: "auto" is float16 for int8 / q4 with the native kernels (half the bytes
     # that decode attention reads, and twice the tokens per MB), else the model dtype;
     # "model" always keeps the model dtype, "float16" is float16 whatever the runtime;
-    # "int8" stores int8 with one float32 scale per
-    # token and KV head: 1.9 times a float16 cache's tokens per MB (on the default model no
-    # faster and no worse in perplexity; see docs/benchmarks.md).
+    # "int8" stores int8 with one float32 scale per token and KV head: 1.9 times a float16
+    # cache's tokens per MB (on the default model no faster and no worse in perplexity;
+    # see docs/benchmarks.md).
     kv_dtype: str = "auto"
 
 
@@ -121,9 +121,10 @@ class ModelRunner:
                 f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {settings.kv_dtype!r}"
             )
         half_kv = settings.kv_dtype == "auto" and self.quantization != "none" and kernels
-        self.kv_dtype = torch.float16 if half_kv else self.dtype
-        explicit = {"float16": torch.float16, "int8": torch.int8}
-        self.kv_dtype = explicit.get(settings.kv_dtype, self.kv_dtype)
+        if settings.kv_dtype in ("float16", "int8"):
+            self.kv_dtype = getattr(torch, settings.kv_dtype)
+        else:
+            self.kv_dtype = torch.float16 if half_kv else self.dtype
         per_block = KVCache.bytes_per_block(config, settings.block_size, self.kv_dtype)
         num_blocks = max(1, settings.kv_cache_bytes // per_block)
         self.cache = KVCache(
