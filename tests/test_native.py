@@ -60,6 +60,17 @@ def test_build_is_cached_per_machine() -> None:
     assert native.load(("-march=x86-64",)) is not kernels
 
 
+def test_flags_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FURNACE_NATIVE_FLAGS`` picks the build the runner loads (here the plain-C one)."""
+    monkeypatch.setenv("FURNACE_NATIVE_FLAGS", "-march=x86-64")
+    kernels = native.load()
+    assert kernels is not None
+    assert kernels.vector_width == 1
+    monkeypatch.delenv("FURNACE_NATIVE_FLAGS")
+    assert native.load(("-march=x86-64",)) is kernels  # the same flags, the same build
+    assert native.load() is not kernels
+
+
 def test_fresh_build_in_an_empty_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """What a new machine does on first start: compile, cache, load, compute."""
     monkeypatch.setenv("FURNACE_CACHE_DIR", str(tmp_path))

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -478,11 +479,14 @@ def load(extra_flags: tuple[str, ...] = ()) -> Kernels | None:
     """The kernels, building them if needed; ``None`` where they cannot be built here.
 
     ``FURNACE_NATIVE=0`` disables them (the torch kernels are used instead).
-    ``extra_flags`` go after :data:`FLAGS` (tests build the AVX2 and plain-C variants on an
-    AVX-512 machine with ``-mno-avx512f`` and ``-march=x86-64``).
+    ``FURNACE_NATIVE_FLAGS`` (shell words) and then ``extra_flags`` go after :data:`FLAGS`:
+    tests build the AVX2 and plain-C variants on an AVX-512 machine with ``-mno-avx512f``
+    and ``-march=x86-64``, and ``FURNACE_NATIVE_FLAGS=-mno-avx512f`` serves with the AVX2
+    build (what a CPU without AVX-512 runs, for comparisons on this one).
     """
     if os.environ.get("FURNACE_NATIVE", "1") == "0":
         return None
+    extra_flags = (*shlex.split(os.environ.get("FURNACE_NATIVE_FLAGS", "")), *extra_flags)
     compiler = _compiler()
     if compiler is None:
         logger.warning("native kernels: no C compiler (set CC); using torch kernels")
