@@ -40,7 +40,12 @@ ARCHS = [
 
 
 def _runner(
-    path: Path, *, native: bool = True, quantization: str = "none", kv_dtype: str = "auto"
+    path: Path,
+    *,
+    native: bool = True,
+    quantization: str = "none",
+    kv_dtype: str = "auto",
+    split_chunks_upto: int | None = None,
 ) -> ModelRunner:
     config, weights = load_hf_directory(path)
     settings = RunnerConfig(
@@ -50,6 +55,7 @@ def _runner(
         native=native,
         quantization=quantization,
         kv_dtype=kv_dtype,
+        split_chunks_upto=split_chunks_upto,
     )
     return ModelRunner(config, weights, settings)
 
@@ -330,16 +336,18 @@ def test_int8_kv_block_copies_carry_the_scales(tmp_path: Path) -> None:
     assert bool(cache.scales[0][:, 0].ne(0).all())  # the copied scales are real ones
 
 
+@pytest.mark.parametrize("split", [0, None], ids=["chunk-path", "short-chunks-as-rows"])
 @pytest.mark.parametrize(
     ("kv_dtype", "cache_dtype", "tol"), [("auto", torch.float16, 1e-2), ("int8", torch.int8, 2e-2)]
 )
 def test_int8_chunked_prefill_over_the_cache(
-    tmp_path: Path, kv_dtype: str, cache_dtype: torch.dtype, tol: float
+    tmp_path: Path, kv_dtype: str, cache_dtype: torch.dtype, tol: float, split: int | None
 ) -> None:
-    """Chunks after cached tokens read the float16 KV, or the int8 one dequantized, through
-    the torch attention path."""
+    """Chunks after cached tokens read the float16 KV, or the int8 one dequantized: through
+    the torch attention path over the gathered cache (``split`` 0), or (the default with
+    the native kernels) as rows of the decode path."""
     path = write_tiny_model(tmp_path, "qwen2", tied=False, rope_llama3=False)
-    runner = _runner(path, quantization="int8", kv_dtype=kv_dtype)
+    runner = _runner(path, quantization="int8", kv_dtype=kv_dtype, split_chunks_upto=split)
     assert runner.cache.k.dtype == cache_dtype
     ids = torch.randint(
         0, runner.config.vocab_size, (30,), generator=torch.Generator().manual_seed(6)
@@ -353,6 +361,65 @@ def test_int8_chunked_prefill_over_the_cache(
     assert float((got[0] - whole).norm() / whole.norm()) < tol
     ref = _ref_logits(_reference(path), list(ids_t))[-1]
     assert float((got[0] - ref).norm() / ref.norm()) < 0.02
+
+
+def test_build_inputs_runs_short_chunks_as_one_token_rows() -> None:
+    """With ``split_upto``, a chunk of that many tokens or fewer becomes one row per token,
+    row ``i`` with the context up to its own token and the chunk's block table; a longer
+    chunk stays one row, and only a chunk's last token gives logits."""
+    params = SamplingParams(temperature=0.0)
+    plan = StepPlan(
+        (
+            ChunkPlan(1, (10, 11, 12), 3, (7, 2), (SampleSpec(1, params),)),
+            ChunkPlan(2, (20,), 4, (5, 6), (SampleSpec(2, params),)),
+            ChunkPlan(3, (30, 31, 32, 33), 0, (1,)),
+        )
+    )
+    got = build_inputs(plan, BLOCK, torch.device("cpu"), split_upto=3)
+    assert got.input_ids.tolist() == [10, 11, 12, 20, 30, 31, 32, 33]
+    assert got.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4, 2 * 4 + 1, 6 * 4, 4, 5, 6, 7]
+    assert got.query_starts == (0, 1, 2, 3, 4, 8)
+    assert got.context_lens == (4, 5, 6, 5, 4)
+    assert got.block_tables.tolist() == [[7, 2], [7, 2], [7, 2], [5, 6], [1, 0]]
+    assert got.decode_rows == (0, 1, 2, 3) and got.prefill_rows == (4,)
+    assert got.decode_context_lens.tolist() == [4, 5, 6, 5]
+    assert got.logit_rows.tolist() == [2, 3]
+    unsplit = build_inputs(plan, BLOCK, torch.device("cpu"))
+    assert unsplit.decode_rows == (1,) and unsplit.prefill_rows == (0, 2)
+    assert torch.equal(unsplit.slot_mapping, got.slot_mapping)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4"])
+def test_a_short_chunk_gives_what_decoding_its_tokens_one_by_one_gives(
+    tmp_path: Path, quantization: str
+) -> None:
+    """A chunk after cached tokens runs as rows of the decode path: its logits are bitwise
+    those of decoding its tokens one step each (the same kernels, row by row, the same
+    context per row), and close to the chunk path's (torch attention over the gathered
+    cache)."""
+    path = write_tiny_model(tmp_path, "llama", tied=False, rope_llama3=False)
+    runner = _runner(path, quantization=quantization)
+    assert runner._split_upto >= 8
+    chunk_path = _runner(path, quantization=quantization, split_chunks_upto=0)
+    ids = torch.randint(
+        0, runner.config.vocab_size, (28,), generator=torch.Generator().manual_seed(9)
+    )
+    prefix, tail = tuple(ids[:20].tolist()), tuple(ids[20:].tolist())
+    got = {}
+    for name, r, first in (("rows", runner, 0), ("steps", runner, 16), ("chunk", chunk_path, 0)):
+        r.logits(StepPlan((ChunkPlan(1, prefix, 0, _table(first)),)))
+        if name == "steps":
+            for i, token in enumerate(tail):
+                step = StepPlan((ChunkPlan(1, (token,), len(prefix) + i, _table(first)),))
+                got[name] = r.logits(step)[0]
+        else:
+            got[name] = r.logits(StepPlan((ChunkPlan(1, tail, len(prefix), _table(first)),)))[0]
+    assert torch.equal(got["rows"], got["steps"])
+    # Not bitwise: the chunk path attends over float32 keys of a fresh prompt and reads the
+    # cache otherwise; the activations' rounding to int8 per group moves the rest.
+    rel = float((got["rows"] - got["chunk"]).norm() / got["chunk"].norm())
+    assert rel < 2e-2
+    assert int(got["rows"].argmax()) == int(got["chunk"].argmax())
 
 
 def test_rotary_rows_match_the_formula_as_the_table_grows(tmp_path: Path) -> None:

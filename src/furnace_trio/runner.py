@@ -28,6 +28,12 @@ from .sampling import GeneratorStore, sample
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
+# Chunks of up to this many tokens run as that many one-token rows of the decode path (see
+# build_inputs) on the CPU with the native kernels: an 8-token chunk after 32 cached
+# tokens took 13 ms there against 23 to 28 through the chunk path (a torch attention over
+# the gathered cache, layer by layer in Python), 4 tokens after 1,000 took 17 against 48,
+# 32 after 40 took 41 against 57; at 32 after 1,600 and at 64 tokens the two were even.
+SPLIT_CHUNKS_UPTO = 32
 #: The KV cache dtypes a runner takes (see RunnerConfig.kv_dtype).
 KV_DTYPES = ("auto", "model", "float16", "int8")
 
@@ -75,6 +81,10 @@ class RunnerConfig:
     # cache's tokens per MB (on the default model no faster and no worse in perplexity;
     # see docs/benchmarks.md).
     kv_dtype: str = "auto"
+    # Chunks of up to this many tokens run as one-token rows of the decode path (see
+    # build_inputs); None: SPLIT_CHUNKS_UPTO where the native kernels run the model, else 0
+    # (0: every chunk of two or more tokens takes the chunk path).
+    split_chunks_upto: int | None = None
 
 
 class ModelRunner:
@@ -116,6 +126,10 @@ class ModelRunner:
             )
         if self.dtype == torch.float32:
             self.model.use_native(kernels)
+        split = SPLIT_CHUNKS_UPTO if self.model.kernels is not None else 0
+        self._split_upto = (
+            split if settings.split_chunks_upto is None else settings.split_chunks_upto
+        )
         if settings.kv_dtype not in KV_DTYPES:
             raise ValueError(
                 f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {settings.kv_dtype!r}"
@@ -217,24 +231,39 @@ class ModelRunner:
             for at in range(0, n, size):
                 ids = tuple(token_ids[at : at + size])
                 plan = StepPlan((ChunkPlan(0, ids, at, blocks),))
-                inputs = build_inputs(plan, self.block_size, self.device)
+                inputs = build_inputs(
+                    plan, self.block_size, self.device, split_upto=self._split_upto
+                )
                 every = torch.arange(len(ids), dtype=torch.int64, device=self.device)
                 inputs = dataclasses.replace(inputs, logit_rows=every)
                 out.append(self.model(inputs, self.cache))
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def _forward(self, plan: StepPlan, *, all_rows: bool = False) -> torch.Tensor:
-        inputs = build_inputs(plan, self.block_size, self.device, all_rows=all_rows)
+        inputs = build_inputs(
+            plan, self.block_size, self.device, all_rows=all_rows, split_upto=self._split_upto
+        )
         return self.model(inputs, self.cache)
 
 
 def build_inputs(
-    plan: StepPlan, block_size: int, device: torch.device, *, all_rows: bool = False
+    plan: StepPlan,
+    block_size: int,
+    device: torch.device,
+    *,
+    all_rows: bool = False,
+    split_upto: int = 0,
 ) -> StepInputs:
     """Flatten a plan's chunks into the tensors of :class:`StepInputs`.
 
     Logits are computed only for the last token of chunks that sample (or of every chunk
     with ``all_rows``): the vocabulary projection is the largest matrix of a small model.
+
+    A chunk of at most ``split_upto`` tokens becomes that many rows of one token each, row
+    ``i`` seeing the sequence up to its own token (context ``start_pos + i + 1``), as if
+    the tokens were decoded one by one: every key and value of a step is in the cache
+    before any attention reads it, so this is the chunk's causal attention, run by the
+    decode path (one fused native call when every row is one token).
     """
     ids: list[int] = []
     positions: list[int] = []
@@ -244,7 +273,7 @@ def build_inputs(
     decode_rows: list[int] = []
     logit_rows: list[int] = []
     tables: list[Sequence[int]] = []
-    for b, chunk in enumerate(plan.chunks):
+    for chunk in plan.chunks:
         n = len(chunk.token_ids)
         if n == 0:
             raise ValueError(f"chunk of sequence {chunk.seq_id} has no tokens")
@@ -259,11 +288,13 @@ def build_inputs(
         for pos in range(chunk.start_pos, end):
             positions.append(pos)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
-        starts.append(starts[-1] + n)
-        context_lens.append(end)
-        tables.append(table)
-        if n == 1:
-            decode_rows.append(b)
+        rows = range(chunk.start_pos + 1, end + 1) if n <= split_upto else (end,)
+        for context in rows:
+            if len(rows) == n:  # one token per row
+                decode_rows.append(len(context_lens))
+            context_lens.append(context)
+            tables.append(table)
+            starts.append(starts[-1] + n // len(rows))
         if all_rows or chunk.samples:
             logit_rows.append(starts[-1] - 1)
     width = max(len(t) for t in tables)
@@ -285,7 +316,7 @@ def build_inputs(
         context_lens=tuple(context_lens),
         block_tables=packed[6].view(len(tables), width),
         decode_rows=tuple(decode_rows),
-        prefill_rows=tuple(b for b, c in enumerate(plan.chunks) if len(c.token_ids) > 1),
+        prefill_rows=tuple(b for b in range(len(context_lens)) if starts[b + 1] - starts[b] > 1),
         decode_index=packed[3],
         decode_context_lens=packed[4],
         logit_rows=packed[5],
