@@ -86,6 +86,17 @@ def bench(session: nox.Session) -> None:
         session.run("python", "bench_quality.py", "--runtimes", "q4,q4+kv8", "--chunk", "16")
 
 
+@nox.session(name="bench-llamacpp")
+def bench_llamacpp(session: nox.Session) -> None:
+    """furnace-trio against llama.cpp's own server on this machine, the same GGUF, rounds
+    alternating (~5 min, plus ~15 min once to build llama-server from PyPI's
+    llama-cpp-python sources into build/, unless $LLAMA_SERVER or PATH has one).
+    ``nox -s bench-llamacpp -- --quick`` for a smoke run."""
+    _install(session, "test")
+    session.chdir("benchmarks")
+    session.run("python", "bench_llamacpp.py", *session.posargs)
+
+
 @nox.session
 def soak(session: nox.Session) -> None:
     """32 clients for 3 minutes against the default model on 127.0.0.1, with early

@@ -3,7 +3,8 @@
 Not a test. Builds a :class:`ModelRunner` for each quantization and times ``runner.step``
 directly (no engine): a decode step of 1 and of 16 sequences at each ``--ctx`` tokens of
 context (default 150; ``decode1@2000`` is one sequence at 2,000), a fresh 250-token
-prefill, and a 250-token chunk after 1,600 cached tokens. With
+prefill, a 250-token chunk after 1,600 cached tokens, and short chunks: 8 tokens after
+32 and 16 after 1,000. With
 ``--baseline DIR`` a copy of the package (importable as ``furnace_base`` from ``DIR``) is
 timed in the same process, interleaved, and ratios are printed (baseline / current).
 ``--kv-dtype int8,auto`` times the runner with an int8 KV cache beside one with the
@@ -57,7 +58,12 @@ def _plans(
     plans = {"decode1": dec(1), f"decode{n}": dec(n)}
     for at in contexts:
         plans |= {f"decode1@{at}": dec(1, at), f"decode{n}@{at}": dec(n, at)}
-    return plans | {"prefill250": fresh, "chunk250@1600": hist}
+    # A short chunk after a few cached tokens (the uncached tail of a chat prompt), and a
+    # follow-up turn after a long conversation.
+    tail = S((C(999, tuple(range(1000, 1008)), 32, long_blocks, (P(999, params),)),))
+    turn = S((C(999, tuple(range(1000, 1016)), 1000, long_blocks, (P(999, params),)),))
+    plans |= {"prefill250": fresh, "chunk250@1600": hist}
+    return plans | {"chunk8@32": tail, "chunk16@1000": turn}
 
 
 def _stub(kernels: Any) -> None:

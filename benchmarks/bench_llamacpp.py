@@ -1,0 +1,275 @@
+"""furnace-trio against llama.cpp's own server, on this machine, the same GGUF file.
+
+Both servers run at once on loopback, each with both cores (``llama-server -t N -tb N``
+for N visible cores; furnace-trio as users run it, ``hypercorn furnace_trio.app:app``,
+``FURNACE_QUANT`` per ``--quant``, default q4: what ``auto`` runs), serving the default
+model's file (SmolLM2-135M-Instruct, Q4_1). Both decode at most ``--slots`` sequences at
+once (default 16: furnace-trio's default ``FURNACE_MAX_RUNNING`` on the CPU, and the 16
+slots the issue ran llama.cpp's server with): llama-server gets that many slots, each
+with room for ``--slot-ctx`` tokens, and furnace-trio ``FURNACE_MAX_RUNNING``. Continuous
+batching and prompt caching are on by default in both, and both keep a float16 KV cache.
+
+Each round runs every workload on one server and then on the other, the order alternating
+from round to round, so both see the same phases of this machine; a server's figures are
+compared with the other's in the same round, and the table gives the median of those
+ratios with their range. Workloads: closed loops of streaming chat completions (greedy,
+``ignore_eos``, ``--max-tokens``) at 1, 4, 16 and 32 concurrent streams, as
+``bench_http.py`` runs them (the same httpx client for both servers), and the time to
+first token of a ~1,000-token prompt that starts with the round's number, so that neither
+server's prompt cache holds more of it than the chat template's system message.
+
+Every completion must report ``--max-tokens`` completion tokens (``usage``), so both
+servers did the same work; both servers' greedy answers to one prompt are printed.
+
+    python benchmarks/bench_llamacpp.py [--llama-server PATH] [--rounds 5] [--quant q4]
+                                        [--streams 1,4,16,32] [--max-tokens 64] [--quick]
+                                        [--isa native|avx2] [--slots 16]
+                                        [--llama-model GGUF]
+
+Without ``--llama-server`` (or ``$LLAMA_SERVER``, or ``llama-server`` on ``PATH``) it
+builds one from PyPI's ``llama-cpp-python`` sources first (``_llama_server.py``).
+
+``--isa avx2`` runs both without AVX-512, as on the issue's AMD EPYC: furnace-trio with
+``FURNACE_NATIVE_FLAGS=-mno-avx512f`` (its AVX2 kernels, which use no AVX-VNNI), llama.cpp
+built without AVX-512 and AVX-VNNI (``build-avx2``). The memory and the cores stay this
+machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from _common import PROMPTS, machine, pct
+from _llama_server import find_llama_server, llama_server_version
+from bench_http import Result, closed_loop, free_port, serve, wait_ready
+
+from furnace_trio.default_model import default_model_path
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVERS = ("furnace-trio", "llama.cpp")
+LLAMA_LOG = ROOT / "build" / "bench_llamacpp-llama-server.log"
+
+
+def start_llama_server(
+    binary: Path, gguf: Path, port: int, slots: int, slot_ctx: int, log: Path
+) -> subprocess.Popen[bytes]:
+    threads = str(os.cpu_count() or 1)
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["-t", threads, "-tb", threads, "-np", str(slots), "-c", str(slots * slot_ctx)]
+    cmd += ["--no-webui"]
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of ``pid`` and its descendants (hypercorn runs its worker in a child)."""
+    total = 0.0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) / 1024
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return total + sum(rss_mb(int(child)) for child in f.read().split())
+
+
+class RetryOnceTransport(httpx.AsyncHTTPTransport):
+    """Sends a request again when the server closed its kept-alive connection without
+    answering it. llama-server does that now and then when a stream starts on a connection
+    that carried one before (no task of it in its log), which would end the run; the
+    retries are counted and printed."""
+
+    def __init__(self, limits: httpx.Limits) -> None:
+        super().__init__(limits=limits)
+        self.retries = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await super().handle_async_request(request)
+        except httpx.RemoteProtocolError:
+            self.retries += 1
+            return await super().handle_async_request(request)
+
+
+@dataclass
+class Server:
+    name: str
+    base_url: str
+    proc: subprocess.Popen[bytes]
+    model: str = ""
+    results: dict[str, list[Result]] = field(default_factory=dict)
+    transports: list[RetryOnceTransport] = field(default_factory=list)
+
+    def client(self) -> httpx.AsyncClient:
+        # llama-server closes a connection idle for 5 s, httpx's default expiry: a request
+        # sent on one at that moment fails. Expire them sooner on this side.
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64, keepalive_expiry=2)
+        headers = {"x-bench-model": self.model}
+        transport = RetryOnceTransport(limits)
+        self.transports.append(transport)
+        return httpx.AsyncClient(
+            base_url=self.base_url, timeout=600, transport=transport, headers=headers
+        )
+
+
+def long_prompt(round_number: int) -> str:
+    text = (ROOT / "tests" / "data" / "perplexity.txt").read_text()
+    return f"Round {round_number}. " + " ".join([text] * 2)
+
+
+async def one_round(
+    server: Server, round_number: int, workloads: list[tuple[int, int]], max_tokens: int
+) -> None:
+    async with server.client() as client:
+        for streams, requests in workloads:
+            result = await closed_loop(client, list(PROMPTS), streams, requests, max_tokens)
+            expected = streams * requests * max_tokens
+            if result.tokens != expected:
+                raise RuntimeError(
+                    f"{server.name} reported {result.tokens} completion tokens at "
+                    f"{streams} streams, not {expected}"
+                )
+            server.results.setdefault(str(streams), []).append(result)
+        prefill = await closed_loop(client, [long_prompt(round_number)], 1, 1, 1)
+        server.results.setdefault("prefill", []).append(prefill)
+
+
+async def greedy_answer(server: Server, prompt: str, max_tokens: int) -> str:
+    async with server.client() as client:
+        response = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": server.model,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            },
+        )
+        response.raise_for_status()
+        return str(response.json()["choices"][0]["message"]["content"])
+
+
+def ratios(ours: list[float], theirs: list[float]) -> str:
+    values = sorted(a / b for a, b in zip(ours, theirs, strict=True))
+    return f"{statistics.median(values):.2f}x [{values[0]:.2f}, {values[-1]:.2f}]"
+
+
+def report(furnace: Server, llama: Server) -> None:
+    print(
+        "\n| streams | furnace-trio tok/s | llama.cpp tok/s | furnace / llama.cpp, median "
+        "[range] | TTFT p50 ms (furnace / llama.cpp) | ITL p50 ms (furnace / llama.cpp) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for key, ours in furnace.results.items():
+        if key == "prefill":
+            continue
+        theirs = llama.results[key]
+        ours_tps = [r.tokens / r.seconds for r in ours]
+        theirs_tps = [r.tokens / r.seconds for r in theirs]
+
+        def p50(results: list[Result], attr: str) -> float:
+            return pct([x for r in results for x in getattr(r, attr)], 50) * 1e3
+
+        print(
+            f"| {key} | {statistics.median(ours_tps):.1f} | {statistics.median(theirs_tps):.1f} "
+            f"| {ratios(ours_tps, theirs_tps)} | {p50(ours, 'ttft'):.0f} / "
+            f"{p50(theirs, 'ttft'):.0f} | {p50(ours, 'itl'):.1f} / {p50(theirs, 'itl'):.1f} |"
+        )
+    ours_ttft = [r.ttft[0] for r in furnace.results["prefill"]]
+    theirs_ttft = [r.ttft[0] for r in llama.results["prefill"]]
+    print(
+        f"\nTime to first token of a ~1,000-token prompt never sent before: furnace-trio "
+        f"{statistics.median(ours_ttft) * 1e3:.0f} ms, llama.cpp "
+        f"{statistics.median(theirs_ttft) * 1e3:.0f} ms; llama.cpp's time / furnace-trio's "
+        f"{ratios(theirs_ttft, ours_ttft)} (above 1: furnace-trio is faster)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--llama-server", help="the llama-server binary (else found or built)")
+    parser.add_argument("--quant", default="q4", help="furnace-trio's runtime (bench_http)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--streams", default="1,4,16,32")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--slots", type=int, default=16, help="sequences decoding at once")
+    parser.add_argument(
+        "--llama-model", help="another GGUF for llama.cpp only (e.g. a Q4_0 requantization)"
+    )
+    parser.add_argument("--slot-ctx", type=int, default=2048, help="llama-server's per slot")
+    parser.add_argument("--quick", action="store_true", help="1 round, 1 and 4 streams")
+    parser.add_argument(
+        "--isa",
+        choices=("native", "avx2"),
+        default="native",
+        help="avx2: both servers without AVX-512 (and llama.cpp without AVX-VNNI)",
+    )
+    args = parser.parse_args()
+    streams = [int(s) for s in args.streams.split(",")]
+    rounds, max_tokens = args.rounds, args.max_tokens
+    if args.quick:
+        streams, rounds, max_tokens = [1, 4], 1, 16
+    # Requests per stream, as bench_http.py: a closed loop needs more than one per stream.
+    workloads = [(s, 3 if s == 1 else 2) for s in streams]
+
+    binary = find_llama_server(args.llama_server, args.isa)
+    LLAMA_LOG.parent.mkdir(parents=True, exist_ok=True)
+    gguf = default_model_path()
+    print(f"machine: {machine()}")
+    print(f"llama-server: {binary} ({llama_server_version(binary)})")
+    llama_gguf = Path(args.llama_model) if args.llama_model else gguf
+    print(f"model: {gguf.name}; furnace-trio runtime {args.quant}; max_tokens {max_tokens}")
+    print(f"llama.cpp's model: {llama_gguf}")
+    print(f"instruction sets: {args.isa}; at most {args.slots} sequences decoding at once")
+    furnace_env = {"FURNACE_MAX_RUNNING": str(args.slots)}
+    if args.isa == "avx2":
+        furnace_env["FURNACE_NATIVE_FLAGS"] = "-mno-avx512f"
+
+    port = free_port()
+    furnace = Server(SERVERS[0], f"http://127.0.0.1:{port}", serve(args.quant, port, furnace_env))
+    port = free_port()
+    llama = Server(
+        SERVERS[1],
+        f"http://127.0.0.1:{port}",
+        start_llama_server(binary, llama_gguf, port, args.slots, args.slot_ctx, LLAMA_LOG),
+    )
+    servers = (furnace, llama)
+    try:
+        for server in servers:
+            wait_ready(server.base_url, server.proc)
+            server.model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+            # Warm-up: the first requests of a process pay for lazy setup in both.
+            asyncio.run(one_round(server, -1, [(1, 1), (4, 1)], 8))
+            server.results.clear()
+        for r in range(rounds):
+            for server in servers if r % 2 == 0 else servers[::-1]:
+                start = time.perf_counter()
+                asyncio.run(one_round(server, r, workloads, max_tokens))
+                print(f"round {r + 1}/{rounds}: {server.name} {time.perf_counter() - start:.1f} s")
+        for server in servers:
+            answer = asyncio.run(greedy_answer(server, PROMPTS[0], 32))
+            print(f"{server.name}, RSS {rss_mb(server.proc.pid):.0f} MB, greedy: {answer!r}")
+    except Exception:
+        print(f"llama-server's log: {LLAMA_LOG}; exit status {llama.proc.poll()}")
+        raise
+    finally:
+        for server in servers:
+            server.proc.terminate()
+        for server in servers:
+            server.proc.wait(timeout=30)
+    report(furnace, llama)
+    retried = (f"{s.name} {sum(t.retries for t in s.transports)}" for s in servers)
+    print(
+        f"\nrequests sent again (a kept-alive connection closed unanswered): {', '.join(retried)}"
+    )
+
+
+if __name__ == "__main__":
+    main()
