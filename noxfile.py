@@ -89,7 +89,7 @@ def bench(session: nox.Session) -> None:
 @nox.session(name="bench-llamacpp")
 def bench_llamacpp(session: nox.Session) -> None:
     """furnace-trio against llama.cpp's own server on this machine, the same GGUF, rounds
-    alternating (~5 min, plus ~15 min once to build llama-server from PyPI's
+    alternating (~10 min, plus ~17 min once to build llama-server from PyPI's
     llama-cpp-python sources into build/, unless $LLAMA_SERVER or PATH has one).
     ``nox -s bench-llamacpp -- --quick`` for a smoke run."""
     _install(session, "test")

@@ -40,7 +40,10 @@ def llama_cpp_source(version: str = LLAMA_CPP_PYTHON) -> Path:
     subprocess.run([*pip, "--dest", str(base), f"llama-cpp-python=={version}"], check=True)
     (archive,) = base.glob(f"llama_cpp_python-{version}.tar.gz")
     with tarfile.open(archive) as tar:
-        tar.extractall(base, filter="data")
+        if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later
+            tar.extractall(base, filter="data")
+        else:
+            tar.extractall(base)  # PyPI's own archive of a pinned release
     return tree
 
 

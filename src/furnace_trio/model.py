@@ -35,16 +35,18 @@ from .quant import NativeLinear
 class StepInputs:
     """Tensors of one step, built by the runner from a :class:`~furnace_trio.plan.StepPlan`.
 
-    Flat token dimension ``T`` (all chunks concatenated), sequence dimension ``B``.
+    Flat token dimension ``T`` (all chunks concatenated), row dimension ``B``: a row is a
+    chunk, or one token of a short chunk that the runner split into one-token rows (each
+    seeing the sequence up to its own token; see :func:`~furnace_trio.runner.build_inputs`).
 
     - ``input_ids``, ``positions``, ``slot_mapping``: ``[T]`` int64.
-    - ``query_starts``: offsets of each chunk in the flat batch (python ints, ``B + 1``).
-    - ``context_lens``: tokens of each sequence in the cache after this step (``B``).
+    - ``query_starts``: offsets of each row in the flat batch (python ints, ``B + 1``).
+    - ``context_lens``: tokens of each row's sequence that its queries see (``B``).
     - ``block_tables``: ``[B, max_blocks]`` int64, padded with block 0 (masked out).
-    - ``prefill_rows``: the other sequences (chunks of more than one token), attended one
-      by one.
-    - ``decode_rows``: indices of the sequences whose chunk is a single token; their
-      attention runs in one batched call (``decode_index`` is the same as a tensor).
+    - ``decode_rows``: the rows of a single token; their attention runs in one batched
+      call (``decode_index`` is the same as a tensor).
+    - ``prefill_rows``: the other rows (chunks of more than one token), attended one by
+      one.
     - ``logit_rows``: flat token indices whose next-token logits are wanted.
     - ``decode`` and ``chunk_masks`` (sequence index -> :func:`chunk_mask` of a multi-token
       chunk after cached tokens) are per-step attention tensors shared by every layer;
