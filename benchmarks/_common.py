@@ -68,10 +68,19 @@ def chat_ids(loaded: LoadedModel, prompt: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
+TEXT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "perplexity.txt")
+
+
+def long_prompt_text(prefix: str = "") -> str:
+    """About 1,000 tokens of plain text (the test paragraph twice) after ``prefix``, for
+    prefill over HTTP."""
+    with open(TEXT) as text:
+        return prefix + " ".join([text.read()] * 2)
+
+
 def long_prompt_ids(loaded: LoadedModel, n: int = 1000) -> list[int]:
     """Exactly ``n`` tokens of plain text (a paragraph repeated), for prefill speed."""
-    path = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "perplexity.txt")
-    with open(path) as text:
+    with open(TEXT) as text:
         ids = loaded.tokenizer.encode(text.read(), add_special_tokens=False)
     while len(ids) < n:
         ids = ids + ids

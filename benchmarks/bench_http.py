@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from _common import PROMPTS, machine, pct, split_runtime
+from _common import PROMPTS, long_prompt_text, machine, pct, split_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -115,9 +115,7 @@ async def run(
     ) as client:
         await closed_loop(client, list(PROMPTS), 1, 1, 4)  # warm-up
         results = [await closed_loop(client, list(PROMPTS), s, r, max_tokens) for s, r in workloads]
-        text = (ROOT / "tests" / "data" / "perplexity.txt").read_text()
-        long = " ".join([text] * 2)
-        prefill = await closed_loop(client, [long], 1, 1, 1)
+        prefill = await closed_loop(client, [long_prompt_text()], 1, 1, 1)
         results.append(prefill)
         return results
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from _common import PROMPTS, machine, pct
+from _common import PROMPTS, long_prompt_text, machine, pct
 from _llama_server import find_llama_server, llama_server_version
 from bench_http import Result, closed_loop, free_port, serve, wait_ready
 
@@ -119,11 +119,6 @@ class Server:
         )
 
 
-def long_prompt(round_number: int) -> str:
-    text = (ROOT / "tests" / "data" / "perplexity.txt").read_text()
-    return f"Round {round_number}. " + " ".join([text] * 2)
-
-
 async def one_round(
     server: Server, round_number: int, workloads: list[tuple[int, int]], max_tokens: int
 ) -> None:
@@ -137,7 +132,7 @@ async def one_round(
                     f"{streams} streams, not {expected}"
                 )
             server.results.setdefault(str(streams), []).append(result)
-        prefill = await closed_loop(client, [long_prompt(round_number)], 1, 1, 1)
+        prefill = await closed_loop(client, [long_prompt_text(f"Round {round_number}. ")], 1, 1, 1)
         server.results.setdefault("prefill", []).append(prefill)
 
 

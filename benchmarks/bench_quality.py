@@ -28,14 +28,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import PROMPTS, chat_ids, machine, runtime_config
+from _common import PROMPTS, TEXT, chat_ids, machine, runtime_config
 
 from furnace_trio.loader import load_model
 from furnace_trio.plan import ChunkPlan, StepPlan
 from furnace_trio.runner import ModelRunner
 
 STEPS = 64
-TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "perplexity.txt"
 
 
 def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
@@ -70,7 +69,7 @@ def main() -> None:
     print(f"machine: {machine()}")
     loaded = load_model(None)
     prompts = [chat_ids(loaded, p) for p in PROMPTS]
-    text_ids = loaded.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+    text_ids = loaded.tokenizer.encode(Path(TEXT).read_text(), add_special_tokens=False)
     alone: dict[str, list[list[int]]] = {}
     runners: dict[str, ModelRunner] = {}
     for quant in quants:

@@ -270,7 +270,6 @@ def build_inputs(
     slots: list[int] = []
     starts = [0]
     context_lens: list[int] = []
-    decode_rows: list[int] = []
     logit_rows: list[int] = []
     tables: list[Sequence[int]] = []
     for chunk in plan.chunks:
@@ -290,13 +289,14 @@ def build_inputs(
             slots.append(table[pos // block_size] * block_size + pos % block_size)
         rows = range(chunk.start_pos + 1, end + 1) if n <= split_upto else (end,)
         for context in rows:
-            if len(rows) == n:  # one token per row
-                decode_rows.append(len(context_lens))
             context_lens.append(context)
             tables.append(table)
             starts.append(starts[-1] + n // len(rows))
         if all_rows or chunk.samples:
             logit_rows.append(starts[-1] - 1)
+    # A row of one token decodes (batched attention); a longer one is a prefill chunk.
+    decode_rows = [b for b in range(len(tables)) if starts[b + 1] - starts[b] == 1]
+    prefill_rows = tuple(b for b in range(len(tables)) if starts[b + 1] - starts[b] > 1)
     width = max(len(t) for t in tables)
     decode_context_lens = [context_lens[b] for b in decode_rows]
     # Every integer tensor of the step from one list: one tensor (one copy to the device)
@@ -316,7 +316,7 @@ def build_inputs(
         context_lens=tuple(context_lens),
         block_tables=packed[6].view(len(tables), width),
         decode_rows=tuple(decode_rows),
-        prefill_rows=tuple(b for b in range(len(context_lens)) if starts[b + 1] - starts[b] > 1),
+        prefill_rows=prefill_rows,
         decode_index=packed[3],
         decode_context_lens=packed[4],
         logit_rows=packed[5],
