@@ -160,11 +160,6 @@ async def test_real_responses_match_their_schemas(
     path: str, schema_name: str, body: dict[str, Any] | None
 ) -> None:
     document = openapi_document()
-    schema = {
-        **document["components"]["schemas"][schema_name],
-        "components": document["components"],
-    }
-    resolver_schema = json.loads(json.dumps(schema).replace("#/components", "#/components"))
     async with serve_scripted() as served, httpx.AsyncClient(base_url=served.url) as http:
         served_doc = (await http.get("/openapi.json")).json()
         assert served_doc == document
@@ -172,4 +167,70 @@ async def test_real_responses_match_their_schemas(
             response = await http.get(path)
         else:
             response = await http.post(path, json=body)
-    jsonschema.validate(response.json(), resolver_schema, cls=jsonschema.Draft202012Validator)
+    _validator(document, document["components"]["schemas"][schema_name]).validate(response.json())
+
+
+def _validator(document: dict[str, Any], schema: dict[str, Any]) -> jsonschema.Validator:
+    """``schema`` checked with the document's components in reach of its ``$ref``s."""
+    return jsonschema.Draft202012Validator({**schema, "components": document["components"]})
+
+
+def _events(text: str) -> list[dict[str, str]]:
+    """Server-sent events as the HTML standard parses them (what schemathesis checks):
+    blank-line separated, ``data`` lines joined by newlines, ``event`` "message" if absent,
+    comments and events without data skipped."""
+    events = []
+    for block in text.replace("\r\n", "\n").split("\n\n"):
+        fields: dict[str, list[str]] = {}
+        for line in block.split("\n"):
+            if not line or line.startswith(":"):
+                continue
+            name, _, value = line.partition(":")
+            fields.setdefault(name, []).append(value.removeprefix(" "))
+        if "data" in fields:
+            event = {name: values[-1] for name, values in fields.items()}
+            event["data"] = "\n".join(fields["data"])
+            event.setdefault("event", "message")
+            events.append(event)
+    return events
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "a"}],
+                "logprobs": True,
+                "top_logprobs": 2,
+                "stream_options": {"include_usage": True},
+            },
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hello", "logprobs": 2, "stream_options": {"include_usage": True}},
+        ),
+    ],
+)
+async def test_streamed_events_match_their_schemas(path: str, body: dict[str, Any]) -> None:
+    """Each event of a real stream matches the documented event schema, and its data (JSON
+    until ``[DONE]``, which comes last) matches the chunk schema the event schema names."""
+    document = openapi_document()
+    sse = document["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]
+    event_schema = sse["schema"]
+    json_data = event_schema["properties"]["data"]["anyOf"][1]["contentSchema"]
+    chunk_schema = json_data["oneOf"][0]
+    async with serve_scripted() as served, httpx.AsyncClient(base_url=served.url) as http:
+        response = await http.post(path, json={"model": MODEL_NAME, "stream": True, **body})
+    assert response.status_code == 200, response.text
+    events = _events(response.text)
+    assert len(events) >= 3
+    assert events[-1]["data"] == "[DONE]"
+    for event in events:
+        _validator(document, event_schema).validate(event)
+    for event in events[:-1]:
+        _validator(document, chunk_schema).validate(json.loads(event["data"]))
+    # and a wrong event is caught: the schema is not vacuous
+    for wrong in ({"data": "x", "event": "error"}, {"data": "x", "id": "1"}, {"event": "message"}):
+        assert not _validator(document, event_schema).is_valid(wrong)

@@ -282,17 +282,47 @@ def _errors(*statuses: str) -> dict[str, Any]:
 _GENERATION_ERRORS = ("400", "401", "404", "413", "500", "503")
 _SSE_DESCRIPTION = (
     "With stream=true: server-sent events, one `data: <{}>` per chunk, an error object as "
-    '`data: {{"error": ...}}` if generation fails mid-stream, then `data: [DONE]`.'
+    '`data: {{"error": ...}}` if generation fails mid-stream, then `data: [DONE]`. The schema '
+    "describes one event, as OpenAPI 3.2's `itemSchema` does for `text/event-stream`."
 )
 
 
+def _sse_event(chunk: str) -> dict[str, Any]:
+    """One server-sent event of a stream: its ``data`` is a JSON ``chunk`` or error object,
+    or ``[DONE]`` last. No ``event``, ``id`` or ``retry`` field is sent (the event type is
+    SSE's default, ``message``)."""
+    return {
+        "type": "object",
+        "description": _SSE_DESCRIPTION.format(chunk),
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "type": "string",
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {
+                        "contentMediaType": "application/json",
+                        "contentSchema": {"oneOf": [_ref(chunk), _ref("Error")]},
+                    },
+                ],
+            },
+            "event": {"const": "message"},
+        },
+        "additionalProperties": False,
+    }
+
+
 def _generation(
-    summary: str, op_id: str, request: str, response: str, *, session: bool = False
+    summary: str,
+    op_id: str,
+    request: str,
+    response: str,
+    chunk: str,
+    *,
+    session: bool = False,
 ) -> dict[str, Any]:
     ok = _json(_ref(response), "The whole answer (stream false or absent).")
-    ok["content"]["text/event-stream"] = {
-        "schema": {"type": "string", "description": _SSE_DESCRIPTION.format(response)}
-    }
+    ok["content"]["text/event-stream"] = {"schema": _sse_event(chunk)}
     operation: dict[str, Any] = {
         "summary": summary,
         "operationId": op_id,
@@ -335,12 +365,17 @@ def openapi_document() -> dict[str, Any]:
                 "createChatCompletion",
                 "ChatCompletionRequest",
                 "ChatCompletion",
+                "ChatCompletionChunk",
                 session=True,
             )
         },
         "/v1/completions": {
             "post": _generation(
-                "Text completion", "createCompletion", "CompletionRequest", "TextCompletion"
+                "Text completion",
+                "createCompletion",
+                "CompletionRequest",
+                "TextCompletion",
+                "TextCompletion",  # OpenAI streams text_completion objects
             )
         },
         "/v1/models": {
