@@ -91,11 +91,13 @@ class Served:
     def state(self) -> ServerState:
         return self.app.extensions[STATE_KEY]  # type: ignore[no-any-return]
 
-    async def wait_idle(self, *, tries: int = 500) -> None:
-        """Poll (bounded) until nothing runs or waits and every KV block is free."""
+    async def wait_idle(self, *, tries: int = 500, sessions_may_hold: bool = False) -> None:
+        """Poll (bounded) until nothing runs or waits and every KV block is free (or, with
+        ``sessions_may_hold``, held only by sessions a client opened and left open)."""
         for _ in range(tries):
             stats = self.engine.statistics()
-            if stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0:
+            held = stats.session_pinned_blocks if sessions_may_hold else 0
+            if stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == held:
                 return
             await trio.sleep(0.01)
         raise AssertionError(f"engine not idle: {self.engine.statistics()}")

@@ -11,6 +11,7 @@ import openai
 import pytest
 import trio
 
+from furnace_trio import app as app_module
 from furnace_trio.engine import EngineConfig
 
 from . import scripted
@@ -213,3 +214,70 @@ async def test_dead_engine_gives_503_and_health_503() -> None:
 
 def _boom(*args: object) -> None:
     raise RuntimeError("scheduler bug")
+
+
+async def _read_response(
+    stream: trio.SocketStream, buffer: bytearray
+) -> tuple[int, dict[str, str]]:
+    """One HTTP/1.1 response with a Content-Length body, read off a kept-alive connection
+    (``buffer`` carries bytes past it over to the next call). Status and headers."""
+    while b"\r\n\r\n" not in buffer:
+        data = await stream.receive_some(65536)
+        assert data, "the server closed the connection"
+        buffer += data
+    head, _, rest = bytes(buffer).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    length = int(headers["content-length"])
+    while len(rest) < length:
+        data = await stream.receive_some(65536)
+        assert data, "the server closed the connection mid-body"
+        rest += data
+    buffer[:] = rest[length:]
+    return int(lines[0].split()[1]), headers
+
+
+@pytest.mark.parametrize("body_size", [10, 5000])
+async def test_an_error_answered_before_the_body_leaves_the_connection_usable(
+    served: Served, body_size: int
+) -> None:
+    """A 405 decided from the headers while the client is still sending the body (as
+    http.client does for a str body: headers and body in two writes): the next request on
+    the same connection is answered. Without the wait for the body, hypercorn's HTTP/1.1
+    protocol left it unanswered."""
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    buffer = bytearray()
+    async with await trio.open_tcp_stream(host, int(port)) as stream:
+        with trio.fail_after(10):
+            await stream.send_all(
+                f"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: {body_size}\r\n\r\n".encode()
+            )
+            await trio.sleep(0.05)
+            await stream.send_all(b"y" * body_size)
+            status, headers = await _read_response(stream, buffer)
+            assert status == 405
+            assert headers.get("connection") != "close"
+            await stream.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, _ = await _read_response(stream, buffer)
+            assert status == 200
+
+
+async def test_an_error_whose_body_never_comes_says_connection_close(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body announced but not sent within the wait: the error is answered with
+    ``connection: close`` (the client must not send another request on it), and the
+    server serves new connections."""
+    monkeypatch.setattr(app_module, "BODY_WAIT_S", 0.2)
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    buffer = bytearray()
+    async with await trio.open_tcp_stream(host, int(port)) as stream:
+        with trio.fail_after(10):
+            await stream.send_all(
+                b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+            )
+            status, headers = await _read_response(stream, buffer)
+            assert status == 405
+            assert headers["connection"] == "close"
+    async with httpx.AsyncClient(base_url=served.url) as http:
+        assert (await http.get("/health")).status_code == 200

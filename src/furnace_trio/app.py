@@ -135,6 +135,26 @@ class ServerState:
         return backend
 
 
+BODY_WAIT_S = 2.0
+
+
+async def _after_the_body(message: Any, status: int, body_received: trio.Event) -> Any:
+    """A response that starts before its request's body has arrived (a 404, 405 or 401
+    answered from the headers alone, while the client is still sending the body): wait a
+    moment for the body, then answer. A connection whose request body was still coming
+    in when the response ended is left stuck by hypercorn 0.18's HTTP/1.1 protocol: the
+    next request on it gets no answer. If the body does not arrive in ``BODY_WAIT_S``
+    (or is refused as too large, 413), the response says ``connection: close`` instead,
+    and the client opens a new connection for its next request."""
+    if status != 413:
+        with trio.move_on_after(BODY_WAIT_S):
+            await body_received.wait()
+    if body_received.is_set():
+        return message
+    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+    return {**message, "headers": [*headers, (b"connection", b"close")]}
+
+
 class AbortOnExit:
     """ASGI wrapper: count responses by status and abort a request's sequences when it ends.
 
@@ -154,10 +174,20 @@ class AbortOnExit:
             return
         request_ids: list[str] = []
         scope[SCOPE_KEY] = request_ids  # type: ignore[literal-required]
+        body_received = trio.Event()
+
+        async def watching_receive() -> Any:
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                body_received.set()
+            return message
 
         async def counting_send(message: Any) -> None:
             if message["type"] == "http.response.start":
-                self.state.http_responses[int(message["status"])] += 1
+                status = int(message["status"])
+                self.state.http_responses[status] += 1
+                if not body_received.is_set():
+                    message = await _after_the_body(message, status, body_received)
             await send(message)
 
         state = self.state
@@ -165,7 +195,7 @@ class AbortOnExit:
             state.no_requests = trio.Event()
         state.in_flight += 1
         try:
-            await self.inner(scope, receive, counting_send)
+            await self.inner(scope, watching_receive, counting_send)
         finally:
             state.in_flight -= 1
             if state.in_flight == 0:
