@@ -156,7 +156,8 @@ async def _after_the_body(message: Any, status: int, body_received: trio.Event) 
 
 
 class AbortOnExit:
-    """ASGI wrapper: count responses by status and abort a request's sequences when it ends.
+    """ASGI wrapper: count responses by status, start none before the request's body has
+    arrived (:func:`_after_the_body`), and abort a request's sequences when it ends.
 
     Aborting is idempotent and synchronous, so doing it for every registered id after the
     inner app returns (normally, by cancellation or by an exception) is always safe.
