@@ -32,7 +32,9 @@ from _common import (
     transformers_model,
 )
 
-from furnace_trio.engine import Delta, Engine, EngineConfig, GenerationRequest
+from furnace_trio.backend import engine_config
+from furnace_trio.config import ServerConfig
+from furnace_trio.engine import Delta, Engine, GenerationRequest
 from furnace_trio.loader import LoadedModel, load_model
 from furnace_trio.model_thread import ModelThread
 from furnace_trio.params import SamplingParams
@@ -93,13 +95,14 @@ async def closed_loop(
 
 
 def make_engine(runner: ModelRunner, thread: ModelThread, loaded: LoadedModel) -> Engine:
-    """An engine as the server builds one: default config, every step on ``thread``."""
+    """An engine as the server builds one on the CPU: the server's default settings (not
+    :class:`EngineConfig`'s own), every step on ``thread``."""
     tok = loaded.tokenizer
     return Engine(
         runner,
         decode=tok.decode,
         eos_token_ids=tok.eos_token_ids,
-        config=EngineConfig(),
+        config=engine_config(ServerConfig(), "cpu"),
         model_thread=thread,
     )
 

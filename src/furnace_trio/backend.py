@@ -23,11 +23,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: Batch limits when none are configured: a CPU's step time grows with every sequence, so
-#: fewer run at once; a GPU's barely does until the batch is large.
-DEFAULT_LIMITS = {"cpu": (16, 512), "cuda": (128, 4096)}
+#: fewer run at once than on a GPU, whose step barely grows until the batch is large. On
+#: the CPU, 32 rather than 16: with 32 concurrent streams of the default model, 16 left
+#: half of them queued behind whole generations (TTFT p50 1.06 s over HTTP against 0.14 s
+#: with 32, and 4 to 8% less throughput; each stream's ITL doubles instead, as the batch
+#: does; docs/benchmarks.md, tenth session).
+DEFAULT_LIMITS = {"cpu": (32, 512), "cuda": (128, 4096)}
 
-#: KV memory when none is configured: enough for 16 streams of 1,400 tokens with the
-#: default model on a CPU; on a GPU the default grows with the device's free memory.
+#: KV memory when none is configured: 46,592 tokens with the default model on a CPU (its
+#: float16 cache), enough for 32 streams of 1,400 tokens; on a GPU the default grows with
+#: the device's free memory. Admission reserves a request's worst case (prompt +
+#: ``max_tokens``), so longer requests run fewer at once.
 DEFAULT_KV_CACHE_MB_CPU = 1024
 GPU_KV_FRACTION = 0.5
 
