@@ -51,7 +51,7 @@ def serve(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Speed (engine, HTTP, the HTTP side and its stack per token, runner steps) and quality
-    (~28 min).
+    (~29 min).
 
     Engine-level and HTTP speed against transformers, what the HTTP side and the serving
     stack under it cost per token, the decode attention kernel alone, runner step times at
@@ -69,6 +69,7 @@ def bench(session: nox.Session) -> None:
         session.run("python", "bench_overhead.py", "--streams", "16", "--rounds", "6")
         session.run("python", "bench_stack.py")
         session.run("python", "bench_timeline.py")
+        session.run("python", "bench_split.py")
         session.run("python", "bench_attention.py")
         session.run("python", "bench_step.py", "--quant", "auto", "--ctx", "150,2000")
         session.run(
