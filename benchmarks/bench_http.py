@@ -29,6 +29,14 @@ from pathlib import Path
 
 import httpx
 from _common import PROMPTS, long_prompt_text, machine, pct, split_runtime
+from hypercorn.config import Config
+from quart_trio import QuartTrio
+
+from furnace_trio.app import create_app
+from furnace_trio.backend import Backend
+from furnace_trio.config import ServerConfig
+from furnace_trio.engine import Engine
+from furnace_trio.loader import LoadedModel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,6 +61,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def quiet_config(port: int) -> Config:
+    """hypercorn's settings for ``127.0.0.1:port``, without access or error log."""
+    config = Config()
+    config.bind = [f"127.0.0.1:{port}"]
+    config.accesslog = None
+    config.errorlog = None
+    return config
+
+
+def app_over(engine: Engine, loaded: LoadedModel, model: str, max_context: int) -> QuartTrio:
+    """furnace-trio's app over an engine of this process (the app's lifespan runs it), to
+    serve in this process with hypercorn.trio.serve."""
+    return create_app(
+        ServerConfig(log_level="WARNING"),
+        backend_factory=lambda _: Backend(engine, loaded.tokenizer, model, max_context),
+    )
 
 
 async def one_request(

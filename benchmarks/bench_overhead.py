@@ -44,14 +44,10 @@ from _common import PROMPTS, chat_ids, machine, pct, runtime_config
 from _raw_client import ClientProcess, raw_requests
 from bench_engine import closed_loop as engine_loop
 from bench_engine import make_engine
+from bench_http import app_over, free_port, quiet_config, serve, wait_ready
 from bench_http import closed_loop as http_loop
-from bench_http import free_port, serve, wait_ready
-from hypercorn.config import Config
 from hypercorn.trio import serve as serve_asgi
 
-from furnace_trio.app import create_app
-from furnace_trio.backend import Backend
-from furnace_trio.config import ServerConfig
 from furnace_trio.loader import load_model
 from furnace_trio.model_thread import ModelThread
 from furnace_trio.runner import ModelRunner
@@ -223,9 +219,6 @@ def main() -> None:
             me, trio_tid = os.getpid(), threading.get_native_id()
             port = free_port()
 
-            def backend(config: ServerConfig) -> Backend:
-                return Backend(engine, loaded.tokenizer, model, runner.max_context)
-
             def engine_side() -> tuple[int, float, float, float]:
                 r = trio.from_thread.run(
                     engine_loop, engine, prompts, args.streams, args.requests, args.max_tokens
@@ -237,11 +230,8 @@ def main() -> None:
                     port, model, PROMPTS, args.streams, args.requests, args.max_tokens
                 )
 
-            config = Config()
-            config.bind = [f"127.0.0.1:{port}"]
-            config.accesslog = None
-            config.errorlog = None
-            app = create_app(ServerConfig(log_level="WARNING"), backend_factory=backend)
+            config = quiet_config(port)
+            app = app_over(engine, loaded, model, runner.max_context)
             async with trio.open_nursery() as nursery:
                 # The app runs the engine (its lifespan starts it), which the engine side
                 # also drives directly: one engine, one set of weights, one process.

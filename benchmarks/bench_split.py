@@ -96,13 +96,9 @@ def main() -> None:
     from _common import PROMPTS, chat_ids, machine, runtime_config
     from _raw_client import ClientProcess
     from bench_engine import closed_loop, make_engine
-    from bench_http import free_port, wait_ready
-    from hypercorn.config import Config
+    from bench_http import app_over, free_port, quiet_config, wait_ready
     from hypercorn.trio import serve
 
-    from furnace_trio.app import create_app
-    from furnace_trio.backend import Backend
-    from furnace_trio.config import ServerConfig
     from furnace_trio.engine import Delta, GenerationRequest
     from furnace_trio.loader import load_model
     from furnace_trio.model_thread import ModelThread
@@ -152,14 +148,8 @@ def main() -> None:
         await listener.bind(path)
         listener.listen(64)
         port = free_port()
-        config = Config()
-        config.bind = [f"127.0.0.1:{port}"]
-        config.accesslog = None
-        config.errorlog = None
-        app = create_app(
-            ServerConfig(log_level="WARNING"),
-            backend_factory=lambda _: Backend(engine, loaded.tokenizer, model, runner.max_context),
-        )
+        config = quiet_config(port)
+        app = app_over(engine, loaded, model, runner.max_context)
         ports = {"HTTP": port, "split": front_port}
         async with trio.open_nursery() as nursery:
             await nursery.start(serve, app, config)

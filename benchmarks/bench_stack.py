@@ -39,8 +39,7 @@ import trio
 from _common import machine
 from _raw_client import ClientProcess
 from bench_engine import closed_loop
-from bench_http import free_port, wait_ready
-from hypercorn.config import Config
+from bench_http import free_port, quiet_config, wait_ready
 from hypercorn.trio import serve
 from quart import Response, request
 from quart_trio import QuartTrio
@@ -231,11 +230,7 @@ async def main_async(args: argparse.Namespace, client: ClientProcess) -> dict[st
             handler = plain_handler(mode, thread, step_s)
             await nursery.start(trio.serve_tcp, handler, ports[mode])
         for row, app in apps.items():
-            config = Config()
-            config.bind = [f"127.0.0.1:{ports[row]}"]
-            config.accesslog = None
-            config.errorlog = None
-            await nursery.start(serve, app, config)
+            await nursery.start(serve, app, quiet_config(ports[row]))
         await trio.to_thread.run_sync(wait_ready, f"http://127.0.0.1:{ports['furnace']}")
         for row in ROWS:
             await measure(row)  # warm-up

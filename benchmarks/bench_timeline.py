@@ -39,15 +39,11 @@ import trio
 from _common import PROMPTS, chat_ids, machine, runtime_config
 from _raw_client import ClientProcess
 from bench_engine import closed_loop, make_engine
-from bench_http import free_port, wait_ready
-from hypercorn.config import Config
+from bench_http import app_over, free_port, quiet_config, wait_ready
 from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio import serve as serve_asgi
 from trio.lowlevel import TrioToken
 
-from furnace_trio.app import create_app
-from furnace_trio.backend import Backend
-from furnace_trio.config import ServerConfig
 from furnace_trio.engine import RequestStream
 from furnace_trio.loader import load_model
 from furnace_trio.model_thread import ModelThread
@@ -203,14 +199,8 @@ def main() -> None:
     async def run() -> None:
         engine = make_engine(runner, thread, loaded)
         port = free_port()
-        config = Config()
-        config.bind = [f"127.0.0.1:{port}"]
-        config.accesslog = None
-        config.errorlog = None
-        app = create_app(
-            ServerConfig(log_level="WARNING"),
-            backend_factory=lambda _: Backend(engine, loaded.tokenizer, model, runner.max_context),
-        )
+        config = quiet_config(port)
+        app = app_over(engine, loaded, model, runner.max_context)
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_asgi, app, config)
             await trio.to_thread.run_sync(wait_ready, f"http://127.0.0.1:{port}")
