@@ -2,9 +2,9 @@
 
 The same runtime (``--quant``, default q4) on this machine: an Engine on its own model
 thread in this process (as ``bench_engine.py`` runs it); the app served by hypercorn in
-this process too, over that same engine (same weights, same KV cache, same threads), with
-the raw client in a process of its own (``_raw_client.py``); and a hypercorn server in a
-subprocess (as ``bench_http.py`` starts it, as users run it). Two processes' copies of
+this process too, over that same engine (same weights, same KV cache, same threads); and a
+hypercorn server in a subprocess (as ``bench_http.py`` starts it, as users run it). The raw
+client runs in a process of its own (``_raw_client.py``) for both servers, the same one. Two processes' copies of
 the weights can differ in speed by several percent (where their pages fall in memory), as
 much as the whole HTTP side costs; the same-process side has none of that. Each round runs ``--streams`` concurrent streams (default
 1) of ``--requests`` streaming requests each (greedy, ``ignore_eos``, ``--max-tokens``) on
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import httpx
 import trio
 from _common import PROMPTS, chat_ids, machine, pct, runtime_config
-from _raw_client import ClientProcess, raw_requests
+from _raw_client import ClientProcess
 from bench_engine import closed_loop as engine_loop
 from bench_engine import make_engine
 from bench_http import app_over, free_port, quiet_config, serve, wait_ready
@@ -202,7 +202,7 @@ def main() -> None:
 
         def http(server: Server, client: str, streams: int) -> tuple[int, float, float, float]:
             if client == "raw":
-                return raw_requests(
+                return client_process.requests(
                     server.port, model, PROMPTS, streams, args.requests, args.max_tokens
                 )
             return httpx_requests(server.base_url, model, streams, args.requests, args.max_tokens)
