@@ -54,7 +54,9 @@ def bench(session: nox.Session) -> None:
     (~29 min).
 
     Engine-level and HTTP speed against transformers, what the HTTP side and the serving
-    stack under it cost per token, the decode attention kernel alone, runner step times at
+    stack under it cost per token, when each stage of a token happens between two steps,
+    an HTTP front end in a process of its own (a prototype), the decode attention kernel
+    alone, runner step times at
     contexts of 150 and 2,000 tokens (and with an int8 KV cache against the default one),
     q4 / int8 quality, and the int8 KV cache's quality with every step reading the cache.
 
