@@ -120,7 +120,8 @@ def main() -> None:
     prompt_ids = dict(zip(PROMPTS, prompts, strict=True))
     model = "bench-split"
     client = ClientProcess()
-    path = os.path.join(tempfile.mkdtemp(), "engine.sock")
+    socket_dir = tempfile.TemporaryDirectory()
+    path = os.path.join(socket_dir.name, "engine.sock")
     front_port = free_port()
     front = subprocess.Popen([sys.executable, __file__, "--front-end", str(front_port), path])
     speeds: dict[str, list[float]] = {"engine": [], "HTTP": [], "split": []}
@@ -186,7 +187,7 @@ def main() -> None:
         client.close()
         front.kill()
         front.wait()
-        os.unlink(path)
+        socket_dir.cleanup()
     print(
         f"\n{args.streams} stream(s), {args.quant}, max_tokens={args.max_tokens}, "
         f"{args.rounds} rounds; '/ engine': each round's speed over the engine's in that round, "
