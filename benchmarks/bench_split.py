@@ -93,6 +93,8 @@ def front_end(port: int, path: str) -> None:
 
 
 def main() -> None:
+    # Imported here, not at the top: the front end's process runs this file too, and
+    # should load neither torch nor the engine.
     from _common import PROMPTS, chat_ids, machine, runtime_config
     from _raw_client import ClientProcess
     from bench_engine import closed_loop, make_engine
