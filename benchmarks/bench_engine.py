@@ -94,6 +94,14 @@ async def closed_loop(
     return Result(streams, total, time.perf_counter() - start, ttft, itl)
 
 
+def load_on_thread(quant: str) -> tuple[ModelThread, LoadedModel, ModelRunner]:
+    """The default model loaded on a model thread of its own, and its runner for the
+    benchmark runtime ``quant``, built on that thread (as the server does)."""
+    thread = ModelThread()
+    loaded = thread.call(load_model, None)
+    return thread, loaded, thread.call(ModelRunner.from_loaded, loaded, runtime_config(quant))
+
+
 def make_engine(runner: ModelRunner, thread: ModelThread, loaded: LoadedModel) -> Engine:
     """An engine as the server builds one on the CPU: the server's default settings (not
     :class:`EngineConfig`'s own), every step on ``thread``."""

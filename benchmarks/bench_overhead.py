@@ -40,17 +40,13 @@ from dataclasses import dataclass, field
 
 import httpx
 import trio
-from _common import PROMPTS, chat_ids, machine, pct, runtime_config
+from _common import PROMPTS, chat_ids, machine, pct
 from _raw_client import ClientProcess
 from bench_engine import closed_loop as engine_loop
-from bench_engine import make_engine
+from bench_engine import load_on_thread, make_engine
 from bench_http import app_over, free_port, quiet_config, serve, wait_ready
 from bench_http import closed_loop as http_loop
 from hypercorn.trio import serve as serve_asgi
-
-from furnace_trio.loader import load_model
-from furnace_trio.model_thread import ModelThread
-from furnace_trio.runner import ModelRunner
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
@@ -195,9 +191,7 @@ def main() -> None:
             extra = dict(item.split("=", 1) for item in args.also_env.split(","))
             servers.append(start_server(f", {args.also_env}", args.quant, extra))
         model = httpx.get(f"{servers[0].base_url}/v1/models").json()["data"][0]["id"]
-        thread = ModelThread()
-        loaded = thread.call(load_model, None)
-        runner = thread.call(ModelRunner.from_loaded, loaded, runtime_config(args.quant))
+        thread, loaded, runner = load_on_thread(args.quant)
         prompts = [chat_ids(loaded, p) for p in PROMPTS]
 
         def http(server: Server, client: str, streams: int) -> tuple[int, float, float, float]:

@@ -95,17 +95,14 @@ def front_end(port: int, path: str) -> None:
 def main() -> None:
     # Imported here, not at the top: the front end's process runs this file too, and
     # should load neither torch nor the engine.
-    from _common import PROMPTS, chat_ids, machine, runtime_config
+    from _common import PROMPTS, chat_ids, machine
     from _raw_client import ClientProcess
-    from bench_engine import closed_loop, make_engine
+    from bench_engine import closed_loop, load_on_thread, make_engine
     from bench_http import app_over, free_port, quiet_config, wait_ready
     from hypercorn.trio import serve
 
     from furnace_trio.engine import Delta, GenerationRequest
-    from furnace_trio.loader import load_model
-    from furnace_trio.model_thread import ModelThread
     from furnace_trio.params import SamplingParams
-    from furnace_trio.runner import ModelRunner
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quant", default="q4")
@@ -115,9 +112,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     print(f"machine: {machine()}")
-    thread = ModelThread()
-    loaded = thread.call(load_model, None)
-    runner = thread.call(ModelRunner.from_loaded, loaded, runtime_config(args.quant))
+    thread, loaded, runner = load_on_thread(args.quant)
     prompts = [chat_ids(loaded, p) for p in PROMPTS]
     prompt_ids = dict(zip(PROMPTS, prompts, strict=True))
     model = "bench-split"

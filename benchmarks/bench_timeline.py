@@ -36,16 +36,15 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
-from _common import PROMPTS, chat_ids, machine, runtime_config
+from _common import PROMPTS, chat_ids, machine
 from _raw_client import ClientProcess
-from bench_engine import closed_loop, make_engine
+from bench_engine import closed_loop, load_on_thread, make_engine
 from bench_http import app_over, free_port, quiet_config, wait_ready
 from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio import serve as serve_asgi
 from trio.lowlevel import TrioToken
 
 from furnace_trio.engine import RequestStream
-from furnace_trio.loader import load_model
 from furnace_trio.model_thread import ModelThread
 from furnace_trio.plan import StepPlan
 from furnace_trio.runner import ModelRunner
@@ -187,9 +186,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     print(f"machine: {machine()}")
-    thread = ModelThread()
-    loaded = thread.call(load_model, None)
-    runner = thread.call(ModelRunner.from_loaded, loaded, runtime_config(args.quant))
+    thread, loaded, runner = load_on_thread(args.quant)
     model_thread_id = thread.call(threading.get_ident)
     prompts = [chat_ids(loaded, p) for p in PROMPTS]
     client = ClientProcess()
