@@ -85,6 +85,7 @@ def front_end(port: int, path: str) -> None:
         response.timeout = None
         return response
 
+    # bench_http.quiet_config's settings, written out: importing bench_http loads torch.
     config = Config()
     config.bind = [f"127.0.0.1:{port}"]
     config.accesslog = None
