@@ -6,6 +6,7 @@ transports buffer whole bodies (see ``TRIO-NOTES.md``).
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -17,14 +18,23 @@ from hypercorn.config import Config
 
 
 @asynccontextmanager
-async def serve_app(app: Any, *, graceful_timeout: float = 1.0) -> AsyncIterator[str]:
+async def serve_app(
+    app: Any, *, graceful_timeout: float = 1.0, send_buffer: int | None = None
+) -> AsyncIterator[str]:
     """Serve ``app`` on ``127.0.0.1`` at a free port; yield the base URL (no trailing slash).
 
     Startup (the app's ``before_serving``) finishes before this yields. On exit the server
     is told to shut down and, should a stuck connection hold it open, cancelled.
+    ``send_buffer`` sets ``SO_SNDBUF`` on the listening socket, which its connections
+    inherit (so a reader that does not read fills it after a few kilobytes).
     """
     config = Config()
     config.bind = ["127.0.0.1:0"]
+    if send_buffer is not None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+        listener.bind(("127.0.0.1", 0))
+        config.bind = [f"fd://{listener.detach()}"]  # hypercorn owns and closes it
     config.graceful_timeout = graceful_timeout
     config.accesslog = None
     config.errorlog = None
@@ -132,6 +142,7 @@ async def serve_scripted(
     *,
     engine_config: EngineConfig | None = None,
     response_timeout: float | None = None,
+    send_buffer: int | None = None,
     **config: Any,
 ) -> AsyncIterator[Served]:
     """Serve the app over a scripted engine; ``config`` are :class:`ServerConfig` fields."""
@@ -139,5 +150,5 @@ async def serve_scripted(
     app, engines = scripted_app(runner, engine_config=engine_config, config=ServerConfig(**config))
     if response_timeout is not None:
         app.config["RESPONSE_TIMEOUT"] = response_timeout
-    async with serve_app(app) as url:
+    async with serve_app(app, send_buffer=send_buffer) as url:
         yield Served(url, app, runner, engines[0], api_key=config.get("api_key") or "unused")

@@ -50,6 +50,8 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from .config import ServerConfig
+from .direct_send import DirectSend
+from .direct_send import render_metrics as render_direct_send_metrics
 from .engine import (
     Admitted,
     Delta,
@@ -118,6 +120,8 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     http_responses: Counter[int] = field(default_factory=Counter)
     tool_call_fallbacks: Counter[str] = field(default_factory=Counter)
+    #: Streamed chunks written by :class:`DirectSend` ("direct") or handed to hypercorn.
+    direct_send: Counter[str] = field(default_factory=Counter)
     grammar: GrammarCompiler | None = None
     draining: bool = False
     in_flight: int = 0  # HTTP requests inside the app right now
@@ -183,12 +187,20 @@ class AbortOnExit:
                 body_received.set()
             return message
 
+        direct: DirectSend | None = None
+
         async def counting_send(message: Any) -> None:
+            nonlocal direct
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 self.state.http_responses[status] += 1
                 if not body_received.is_set():
                     message = await _after_the_body(message, status, body_received)
+                config = self.state.config
+                if config is not None and config.direct_send:
+                    direct = DirectSend.of(send)
+            elif direct is not None and await direct.send(message):
+                return
             await send(message)
 
         state = self.state
@@ -201,6 +213,9 @@ class AbortOnExit:
             state.in_flight -= 1
             if state.in_flight == 0:
                 state.no_requests.set()
+            if direct is not None:
+                state.direct_send["direct"] += direct.direct
+                state.direct_send["handed_over"] += direct.handed_over
             backend = self.state.backend
             if backend is not None:
                 for request_id in request_ids:
@@ -514,6 +529,7 @@ def _register_routes(app: QuartTrio, state: ServerState) -> None:
         stats = backend.engine.statistics() if backend is not None else None
         text = render_metrics(stats, state.http_responses, engine_up=state.engine_running)
         text += render_fallback_metrics(state.tool_call_fallbacks)
+        text += render_direct_send_metrics(state.direct_send)
         return Response(text, mimetype="text/plain; version=0.0.4")
 
     openapi_body = dumps(openapi_document())  # built from the validator's own field tables

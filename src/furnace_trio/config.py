@@ -61,6 +61,7 @@ class ServerConfig:
     prefix_cache: bool = True
     step_timeout_s: float = 120.0
     stream_interval: int = 1
+    direct_send: bool = True
     drain_timeout_s: float = 30.0
     exit_on_engine_failure: bool = False
 
@@ -170,6 +171,7 @@ class ServerConfig:
                 environ, "FURNACE_STEP_TIMEOUT_S", defaults.step_timeout_s
             ),
             stream_interval=stream_interval or defaults.stream_interval,
+            direct_send=_flag(environ, "FURNACE_DIRECT_SEND", defaults.direct_send),
             drain_timeout_s=_positive_float(
                 environ, "FURNACE_DRAIN_TIMEOUT_S", defaults.drain_timeout_s, allow_zero=True
             ),

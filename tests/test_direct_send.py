@@ -1,0 +1,191 @@
+"""Streamed chunks written straight to hypercorn's socket (:mod:`furnace_trio.direct_send`),
+over a real hypercorn socket with the scripted engine: the bytes a client reads are those
+of hypercorn's own path, on a keep-alive connection, for a reader that falls behind, and
+with the path turned off."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Sequence
+
+import httpx
+import openai
+import pytest
+import trio
+
+from furnace_trio.config import ConfigError, ServerConfig
+from furnace_trio.direct_send import DirectSend
+
+from . import scripted
+from .http_server import MODEL_NAME, Served, serve_scripted
+
+#: 600 single-byte tokens: one SSE chunk each, about 130 KB of events in all.
+LONG = "".join(f"{i:03d}, " for i in range(120))
+
+
+def long_script(prompt: tuple[int, ...], index: int) -> Sequence[int]:
+    return [*scripted.encode(LONG), scripted.EOS]
+
+
+def long_runner() -> scripted.ScriptedRunner:
+    return scripted.ScriptedRunner(long_script, num_blocks=512, max_context=2048)
+
+
+def request_bytes(max_tokens: int = 1000) -> bytes:
+    body = json.dumps(
+        {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": "count"}],
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+    ).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def read_chunked_response(stream: trio.SocketStream, buffer: bytearray) -> bytes:
+    """One HTTP/1.1 response with a chunked body, read off ``stream`` by hand (what is left
+    after it stays in ``buffer``): its body, with every chunk's framing checked."""
+
+    async def fill() -> None:
+        data = await stream.receive_some(65536)
+        assert data, "the server closed the connection"
+        buffer.extend(data)
+
+    while b"\r\n\r\n" not in buffer:
+        await fill()
+    head, _, rest = bytes(buffer).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert b"transfer-encoding: chunked" in head.lower()
+    buffer[:] = rest
+    body = bytearray()
+    while True:
+        while b"\r\n" not in buffer:
+            await fill()
+        size_line, _, rest = bytes(buffer).partition(b"\r\n")
+        size = int(size_line, 16)
+        while len(rest) < size + 2:
+            await fill()
+            size_line, _, rest = bytes(buffer).partition(b"\r\n")
+        assert rest[size : size + 2] == b"\r\n", "a chunk does not end where its size says"
+        body += rest[:size]
+        buffer[:] = rest[size + 2 :]
+        if size == 0:
+            return bytes(body)
+
+
+def streamed_text(body: bytes) -> str:
+    """The content of an SSE body of chat chunks; asserts it ends with ``[DONE]``."""
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    text = []
+    for event in events[:-1]:
+        assert event.startswith("data: ")
+        chunk = json.loads(event.removeprefix("data: "))
+        for choice in chunk["choices"]:
+            text.append(choice["delta"].get("content") or "")
+    return "".join(text)
+
+
+async def until_no_request_in_flight(served: Served) -> None:
+    """The app counts a response's chunks when its handler returns, just after the last
+    bytes leave: wait (bounded) for that."""
+    for _ in range(500):
+        if served.state.in_flight == 0:
+            return
+        await trio.sleep(0.01)
+    raise AssertionError("a request is still in flight")
+
+
+@pytest.mark.parametrize("direct_send", [True, False])
+async def test_a_stream_reads_the_same_with_or_without_the_direct_path(
+    direct_send: bool,
+) -> None:
+    async with serve_scripted(long_runner(), direct_send=direct_send) as served:
+        client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0)
+        async with client:
+            stream = await client.chat.completions.create(
+                model=MODEL_NAME,
+                messages=[{"role": "user", "content": "count"}],
+                max_tokens=1000,
+                stream=True,
+            )
+            parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        assert "".join(parts) == LONG
+        await until_no_request_in_flight(served)
+        counts = served.state.direct_send
+        if direct_send:
+            # Every content chunk (and the role chunk) went straight to the socket.
+            assert counts["direct"] >= len(LONG)
+            assert counts["handed_over"] == 0
+        else:
+            assert counts["direct"] == counts["handed_over"] == 0
+
+
+async def test_two_streams_on_one_keep_alive_connection() -> None:
+    """h11 frames the chunks written directly, so its state stays right: the terminating
+    chunk follows them, and the connection serves the next request."""
+    async with serve_scripted(long_runner()) as served:
+        host, port = served.url.removeprefix("http://").rsplit(":", 1)
+        buffer = bytearray()
+        async with await trio.open_tcp_stream(host, int(port)) as stream:
+            with trio.fail_after(30):
+                for _ in range(2):
+                    await stream.send_all(request_bytes())
+                    assert streamed_text(await read_chunked_response(stream, buffer)) == LONG
+        assert not buffer
+        await until_no_request_in_flight(served)
+        assert served.state.direct_send["direct"] >= 2 * len(LONG)
+
+
+async def test_a_reader_that_falls_behind_gets_every_byte_in_order() -> None:
+    """The client reads nothing until the server's socket buffer is full: the chunk a
+    write could not finish goes on through hypercorn's path, in order, and the stream
+    reads whole once the client catches up."""
+    async with serve_scripted(long_runner(), send_buffer=4096) as served:
+        host, port = served.url.removeprefix("http://").rsplit(":", 1)
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await sock.connect((host, int(port)))
+        buffer = bytearray()
+        async with trio.SocketStream(sock) as stream:
+            with trio.fail_after(30):
+                await stream.send_all(request_bytes())
+                # The engine writes all 600 tokens in well under this; the socket holds
+                # a few kilobytes of their ~130.
+                await trio.sleep(0.5)
+                assert served.state.in_flight == 1
+                assert streamed_text(await read_chunked_response(stream, buffer)) == LONG
+        await until_no_request_in_flight(served)
+        counts = served.state.direct_send
+        assert counts["handed_over"] >= 1
+        assert counts["direct"] >= 1
+        async with httpx.AsyncClient(base_url=served.url) as http:
+            metrics = (await http.get("/metrics")).text
+        for path, count in counts.items():
+            assert f'furnace_direct_send_chunks_total{{path="{path}"}} {count}\n' in metrics
+
+
+def test_the_direct_path_is_a_server_setting() -> None:
+    assert ServerConfig().direct_send is True
+    assert ServerConfig.from_env({"FURNACE_DIRECT_SEND": "0"}).direct_send is False
+    assert ServerConfig.from_env({"FURNACE_DIRECT_SEND": "true"}).direct_send is True
+    with pytest.raises(ConfigError, match="FURNACE_DIRECT_SEND"):
+        ServerConfig.from_env({"FURNACE_DIRECT_SEND": "sometimes"})
+
+
+def test_a_send_that_is_not_hypercorns_http1_has_no_direct_path() -> None:
+    class Other:
+        async def app_send(self, message: object) -> None:
+            pass
+
+    async def plain(message: object) -> None:
+        pass
+
+    assert DirectSend.of(plain) is None
+    assert DirectSend.of(Other().app_send) is None
