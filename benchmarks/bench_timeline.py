@@ -15,7 +15,10 @@ the stages of a token, by wrapping, in this process only:
 - ``RequestStream.__anext__``: ``consumer has its event`` (a request's handler, or the
   engine side's consumer, woke with its token);
 - hypercorn's ``HTTPStream.app_send``: ``ASGI send`` (a chunk enters hypercorn);
-- Trio's ``SocketStream.send_all``: ``socket send`` and ``socket send returned``.
+- Trio's ``SocketStream.send_all``: ``socket send`` and ``socket send returned``;
+- ``DirectSend.send`` (a streamed chunk written straight to the socket, the default, see
+  :mod:`furnace_trio.direct_send`): ``ASGI send`` on entry and ``socket send returned``
+  once it returns (it has no separate ``socket send``).
 
 Every event is placed after the step end that precedes it; the table gives, per stage, the
 median over steps of its first occurrence in microseconds after the step end (and of its
@@ -44,6 +47,7 @@ from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio import serve as serve_asgi
 from trio.lowlevel import TrioToken
 
+from furnace_trio.direct_send import DirectSend
 from furnace_trio.engine import RequestStream
 from furnace_trio.model_thread import ModelThread
 from furnace_trio.plan import StepPlan
@@ -109,6 +113,7 @@ def instrument(runner: ModelRunner, model_thread_id: int) -> None:
     around(RequestStream, "__anext__", None, "consumer has its event")
     around(HTTPStream, "app_send", "ASGI send", None)
     around(trio.SocketStream, "send_all", "socket send", "socket send returned")
+    around(DirectSend, "send", "ASGI send", "socket send returned")
 
 
 def timeline(recorded: list[tuple[str, float]]) -> dict[str, Any]:
