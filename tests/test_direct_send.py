@@ -187,5 +187,25 @@ def test_a_send_that_is_not_hypercorns_http1_has_no_direct_path() -> None:
     async def plain(message: object) -> None:
         pass
 
-    assert DirectSend.of(plain) is None
-    assert DirectSend.of(Other().app_send) is None
+    assert DirectSend.of(plain, "POST", 200) is None
+    assert DirectSend.of(Other().app_send, "POST", 200) is None
+
+
+async def test_head_requests_and_whole_bodies_on_one_connection() -> None:
+    """Hypercorn drops the body of a HEAD response; the direct path must not write it (h11
+    refuses it, and the connection broke). A whole JSON body (``Content-Length``, one chunk
+    with more to follow, then the end) goes through it framed by h11 as well."""
+    async with serve_scripted() as served:
+        async with httpx.AsyncClient(base_url=served.url) as http:
+            for path in ("/health", "/v1/models", "/metrics"):
+                head = await http.head(path)
+                assert head.status_code == 200
+                assert head.content == b""
+                get = await http.get(path)
+                assert get.status_code == 200
+                assert len(get.content) == int(get.headers["content-length"]) > 0
+            models = (await http.get("/v1/models")).json()
+            assert models["data"][0]["id"] == MODEL_NAME
+        await until_no_request_in_flight(served)
+        # Three GETs of /health, /v1/models and /metrics and one more of /v1/models.
+        assert served.state.direct_send["direct"] >= 4

@@ -198,7 +198,7 @@ class AbortOnExit:
                     message = await _after_the_body(message, status, body_received)
                 config = self.state.config
                 if config is not None and config.direct_send:
-                    direct = DirectSend.of(send)
+                    direct = DirectSend.of(send, scope["method"], status)
             elif direct is not None and await direct.send(message):
                 return
             await send(message)

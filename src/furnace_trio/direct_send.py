@@ -37,6 +37,7 @@ from hypercorn.events import RawData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.utils import suppress_body
 
 
 @dataclass(slots=True)
@@ -53,10 +54,14 @@ class DirectSend:
     handed_over: int = 0
 
     @classmethod
-    def of(cls, send: Any) -> DirectSend | None:
-        """The direct path behind an ASGI ``send`` callable, if it is hypercorn's HTTP/1.1
-        on Trio as this module knows it; ``None`` otherwise (every object it relies on is
-        checked by type, so another hypercorn layout falls back rather than fails)."""
+    def of(cls, send: Any, method: str, status: int) -> DirectSend | None:
+        """The direct path behind an ASGI ``send`` callable for a response to ``method``
+        with ``status``, if it is hypercorn's HTTP/1.1 on Trio as this module knows it and
+        the response has a body (not HEAD, 1xx, 204 or 304: hypercorn drops those bodies);
+        ``None`` otherwise. Every object it relies on is checked by type, so another
+        hypercorn layout falls back rather than fails."""
+        if suppress_body(method, status):
+            return None
         stream = getattr(send, "__self__", None)
         if not isinstance(stream, HTTPStream) or not hasattr(stream, "state"):
             return None
