@@ -16,7 +16,10 @@ the Trio thread's CPU time (``time.thread_time``) around the whole request:
 - ``engine``: furnace-trio's Engine over the sleeping runner, its stream consumed in
   process (scheduler, detokenizer, stream events: no HTTP);
 - ``furnace``: the server's app (``create_app``) over that engine under hypercorn, a
-  streamed chat completion.
+  streamed chat completion (its chunks written straight to the socket, the default:
+  :mod:`furnace_trio.direct_send`);
+- ``furnace-hypercorn-send``: the same app with ``direct_send=False`` (every chunk through
+  hypercorn's send path, as before the eleventh session).
 
 So ``quart - wake`` is the stack's own cost per chunk, and ``furnace - engine`` what the
 HTTP side of furnace-trio costs on top of its engine, the stack included. Rows run in an
@@ -61,7 +64,17 @@ CHUNK = (
     b'"choices":[{"index":0,"delta":{"content":" the"},"logprobs":null,'
     b'"finish_reason":null}]}\n\n'
 )
-ROWS = ("wake", "socket", "trio", "hypercorn", "quart", "engine", "furnace")
+ROWS = (
+    "wake",
+    "socket",
+    "trio",
+    "hypercorn",
+    "quart",
+    "engine",
+    "furnace",
+    "furnace-hypercorn-send",
+)
+FURNACE_ROWS = ("furnace", "furnace-hypercorn-send")
 
 
 class SleepRunner:
@@ -198,6 +211,9 @@ async def main_async(args: argparse.Namespace, client: ClientProcess) -> dict[st
         "hypercorn": asgi_app(thread, step_s),
         "quart": quart_app(thread, step_s),
         "furnace": create_app(ServerConfig(), backend_factory=factory),
+        "furnace-hypercorn-send": create_app(
+            ServerConfig(direct_send=False), backend_factory=factory
+        ),
     }
 
     def exchange(port: int, request: bytes, expected: int) -> None:
@@ -213,7 +229,7 @@ async def main_async(args: argparse.Namespace, client: ClientProcess) -> dict[st
             result = await closed_loop(engine, [[token] * 8], 1, 1, args.chunks)
             if result.tokens != args.chunks:
                 raise RuntimeError(f"the engine streamed {result.tokens} tokens")
-        elif row == "furnace":
+        elif row in FURNACE_ROWS:
             # the chat stream adds its role chunk and [DONE]: at least one event per chunk
             await trio.to_thread.run_sync(
                 exchange, ports[row], chat_request(args.chunks), args.chunks
@@ -231,7 +247,8 @@ async def main_async(args: argparse.Namespace, client: ClientProcess) -> dict[st
             await nursery.start(trio.serve_tcp, handler, ports[mode])
         for row, app in apps.items():
             await nursery.start(serve, app, quiet_config(ports[row]))
-        await trio.to_thread.run_sync(wait_ready, f"http://127.0.0.1:{ports['furnace']}")
+        for row in FURNACE_ROWS:
+            await trio.to_thread.run_sync(wait_ready, f"http://127.0.0.1:{ports[row]}")
         for row in ROWS:
             await measure(row)  # warm-up
         for k in range(args.rounds):
@@ -265,7 +282,9 @@ def report(cpu: dict[str, list[float]], args: argparse.Namespace) -> None:
         )
     print(
         f"\nthe stack (quart - wake): {paired(cpu, 'quart', 'wake'):.1f} us per chunk; "
-        f"furnace-trio's HTTP side (furnace - engine): {paired(cpu, 'furnace', 'engine'):.1f}"
+        f"furnace-trio's HTTP side (furnace - engine): {paired(cpu, 'furnace', 'engine'):.1f}; "
+        "with hypercorn's send path (furnace-hypercorn-send - engine): "
+        f"{paired(cpu, 'furnace-hypercorn-send', 'engine'):.1f}"
     )
 
 
