@@ -120,7 +120,7 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     http_responses: Counter[int] = field(default_factory=Counter)
     tool_call_fallbacks: Counter[str] = field(default_factory=Counter)
-    #: Streamed chunks written by :class:`DirectSend` ("direct") or handed to hypercorn.
+    #: Body chunks written by :class:`DirectSend` ("direct") or handed to hypercorn.
     direct_send: Counter[str] = field(default_factory=Counter)
     grammar: GrammarCompiler | None = None
     draining: bool = False

@@ -17,8 +17,10 @@ through hypercorn's own raw-data path, in order, under hypercorn's lock:
 - the socket buffer is full (the rest of the chunk; a slow reader);
 - the write fails (hypercorn's own handling of a broken connection).
 
-Only a chunk with more to follow on a hypercorn HTTP/1.1 connection served by its Trio
-worker takes this path. The connection is found through the ASGI ``send`` callable's
+Only a body chunk with more to follow on a hypercorn HTTP/1.1 connection served by its
+Trio worker takes this path: every token's chunk of a stream, and a whole JSON body too
+(quart sends it as one chunk with more to follow, then an empty last one, which goes
+through hypercorn to end the response). The connection is found through the ASGI ``send`` callable's
 objects (``HTTPStream.app_send`` -> ``H11Protocol`` -> ``TCPServer``), checked by type;
 anything else (HTTP/2, another server, a test client, another hypercorn layout) takes the
 ordinary ``send``. ``FURNACE_DIRECT_SEND=0`` turns it off.
@@ -117,11 +119,11 @@ class DirectSend:
 
 
 def render_metrics(counts: Mapping[str, int]) -> str:
-    """``furnace_direct_send_chunks_total{path=...}`` in Prometheus text format: streamed
+    """``furnace_direct_send_chunks_total{path=...}`` in Prometheus text format: body
     chunks written straight to the socket ("direct") or handed to hypercorn ("handed_over":
     the send lock was held, the socket buffer was full, or the write failed)."""
     lines = [
-        "# HELP furnace_direct_send_chunks_total Streamed chunks by the path that wrote them.",
+        "# HELP furnace_direct_send_chunks_total Response body chunks by the path that wrote them.",
         "# TYPE furnace_direct_send_chunks_total counter",
     ]
     lines += [
