@@ -24,6 +24,7 @@ than the model's spends during a step is taken from the step.
 
     python benchmarks/bench_overhead.py [--streams 1] [--rounds 16] [--requests 1]
                                         [--max-tokens 64] [--client both|raw|httpx]
+                                        [--warm-up] [--also-env KEY=VALUE,...]
 """
 
 from __future__ import annotations
@@ -175,6 +176,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--client", choices=["both", "raw", "httpx"], default="both")
     parser.add_argument(
+        "--warm-up",
+        action="store_true",
+        help="an untimed 4-token request on each side right before its round (with one "
+        "request per round, the rounds otherwise include each side's first-request cost)",
+    )
+    parser.add_argument(
         "--also-env",
         metavar="KEY=VALUE,...",
         help="a second server with this extra environment, measured with the raw client "
@@ -224,6 +231,16 @@ def main() -> None:
                     port, model, PROMPTS, args.streams, args.requests, args.max_tokens
                 )
 
+            async def warm_up(i: int) -> None:
+                """A 4-token request on side ``i``, untimed, right before its round."""
+                if i == 0:
+                    await engine_loop(engine, prompts, 1, 1, 4)
+                else:
+                    side_port = port if i == 1 else http_sides[i - 2][1].port
+                    await trio.to_thread.run_sync(
+                        client_process.requests, side_port, model, PROMPTS, 1, 1, 4
+                    )
+
             config = quiet_config(port)
             app = app_over(engine, loaded, model, runner.max_context)
             async with trio.open_nursery() as nursery:
@@ -241,6 +258,8 @@ def main() -> None:
                     order = list(range(len(sides)))
                     order = order[k % len(order) :] + order[: k % len(order)]
                     for i in order:
+                        if args.warm_up:
+                            await warm_up(i)
                         if i < 2:
                             # Both serve from this Trio run; the clock is read from a
                             # worker thread, so the Trio thread's CPU is all theirs.
