@@ -67,7 +67,9 @@ def bench(session: nox.Session) -> None:
     session.run("python", "bench_engine.py", *session.posargs)
     session.run("python", "bench_http.py", "--quant", "q4,int8", *session.posargs)
     if "--quick" not in session.posargs:
-        session.run("python", "bench_overhead.py", "--also-env", "FURNACE_DIRECT_SEND=0")
+        session.run(
+            "python", "bench_overhead.py", "--warm-up", "--also-env", "FURNACE_DIRECT_SEND=0"
+        )
         session.run("python", "bench_overhead.py", "--streams", "16", "--rounds", "6")
         session.run("python", "bench_stack.py")
         session.run("python", "bench_timeline.py")
