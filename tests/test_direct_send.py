@@ -6,14 +6,17 @@ with the path turned off."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 import trio
 
+from furnace_trio import direct_send
 from furnace_trio.config import ConfigError, ServerConfig
 from furnace_trio.direct_send import DirectSend
 
@@ -209,3 +212,31 @@ async def test_head_requests_and_whole_bodies_on_one_connection() -> None:
         await until_no_request_in_flight(served)
         # Three GETs of /health, /v1/models and /metrics and one more of /v1/models.
         assert served.state.direct_send["direct"] >= 4
+
+
+async def test_a_failed_write_hands_the_whole_chunk_to_hypercorn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A write that raises (as on a reset connection) leaves the chunk to hypercorn's own
+    path, which sends it (here the socket is fine) in its place: the stream reads whole."""
+    calls = 0
+
+    def failing_write(fd: int, data: bytes) -> int:
+        nonlocal calls
+        calls += 1
+        if calls % 7 == 0:
+            raise BrokenPipeError("every seventh write fails")
+        return os.write(fd, data)
+
+    monkeypatch.setattr(direct_send, "os", SimpleNamespace(write=failing_write))
+    async with serve_scripted(long_runner()) as served:
+        host, port = served.url.removeprefix("http://").rsplit(":", 1)
+        buffer = bytearray()
+        async with await trio.open_tcp_stream(host, int(port)) as stream:
+            with trio.fail_after(30):
+                await stream.send_all(request_bytes())
+                assert streamed_text(await read_chunked_response(stream, buffer)) == LONG
+        await until_no_request_in_flight(served)
+        counts = served.state.direct_send
+        assert counts["handed_over"] == calls // 7 >= len(LONG) // 7
+        assert counts["direct"] == calls - calls // 7
