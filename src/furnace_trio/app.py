@@ -120,7 +120,7 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     http_responses: Counter[int] = field(default_factory=Counter)
     tool_call_fallbacks: Counter[str] = field(default_factory=Counter)
-    #: Body chunks written by :class:`DirectSend` ("direct") or handed to hypercorn.
+    #: Body chunks :class:`DirectSend` wrote ("direct") or handed to hypercorn.
     direct_send: Counter[str] = field(default_factory=Counter)
     grammar: GrammarCompiler | None = None
     draining: bool = False
@@ -198,7 +198,7 @@ class AbortOnExit:
                     message = await _after_the_body(message, status, body_received)
                 config = self.state.config
                 if config is not None and config.direct_send:
-                    direct = DirectSend.of(send, scope["method"], status)
+                    direct = DirectSend.of(send, scope["method"], status, self.state.direct_send)
             elif direct is not None and await direct.send(message):
                 return
             await send(message)
@@ -213,9 +213,6 @@ class AbortOnExit:
             state.in_flight -= 1
             if state.in_flight == 0:
                 state.no_requests.set()
-            if direct is not None:
-                state.direct_send["direct"] += direct.direct
-                state.direct_send["handed_over"] += direct.handed_over
             backend = self.state.backend
             if backend is not None:
                 for request_id in request_ids:

@@ -29,6 +29,7 @@ ordinary ``send``. ``FURNACE_DIRECT_SEND=0`` turns it off.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -51,12 +52,12 @@ class DirectSend:
     connection: h11.Connection
     server: TCPServer
     socket: trio.socket.SocketType
-    #: Chunks written whole by ``os.write``, and chunks (or their rest) handed to hypercorn.
-    direct: int = 0
-    handed_over: int = 0
+    #: The server's tally: "direct" (a chunk written whole by ``os.write``) and
+    #: "handed_over" (a chunk, or its rest, sent through hypercorn's path).
+    counts: Counter[str]
 
     @classmethod
-    def of(cls, send: Any, method: str, status: int) -> DirectSend | None:
+    def of(cls, send: Any, method: str, status: int, counts: Counter[str]) -> DirectSend | None:
         """The direct path behind an ASGI ``send`` callable for a response to ``method``
         with ``status``, if it is hypercorn's HTTP/1.1 on Trio as this module knows it and
         the response has a body (not HEAD, 1xx, 204 or 304: hypercorn drops those bodies);
@@ -79,7 +80,7 @@ class DirectSend:
             getattr(server, "send_lock", None), trio.Lock
         ):
             return None
-        return cls(stream, protocol, connection, server, socket_stream.socket)
+        return cls(stream, protocol, connection, server, socket_stream.socket, counts)
 
     async def send(self, message: Any) -> bool:
         """Send ``message`` if it is a body chunk with more to follow; ``False`` (nothing
@@ -111,9 +112,9 @@ class DirectSend:
             except OSError:  # BlockingIOError, or a broken connection: hypercorn's to handle
                 written = 0
             if written == len(data):
-                self.direct += 1
+                self.counts["direct"] += 1
                 return True
-        self.handed_over += 1
+        self.counts["handed_over"] += 1
         await self.protocol.send(RawData(data=data[written:]))
         return True
 
