@@ -465,3 +465,42 @@ def test_build_inputs_flattens_a_mixed_step() -> None:
     assert got.decode_context_lens.tolist() == [5, 10]
     assert got.logit_rows.tolist() == [3, 4]  # the prefill chunk does not sample
     assert got.slot_mapping.is_contiguous() and got.block_tables.is_contiguous()
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "float16", "int8"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_torch_path_keeps_every_tensor_on_the_device_and_never_syncs(
+    tmp_path: Path, arch: str, kv_dtype: str
+) -> None:
+    """The CUDA path, checked without a GPU: on the ``meta`` device (shapes, no data) an op
+    given a tensor left on the CPU raises, and so does every read of a value on the host
+    (``.item()``, ``int(t)``, ``.tolist()``). So a forward pass that runs there places every
+    tensor on the runner's device and makes no host round trip; the one a step makes, the
+    sampled ids, comes after it."""
+    config, weights = load_hf_directory(write_tiny_model(tmp_path, arch, tied=False))
+    settings = RunnerConfig(
+        device="meta",
+        dtype="bfloat16",
+        kv_cache_bytes=1 << 22,
+        block_size=BLOCK,
+        kv_dtype=kv_dtype,
+    )
+    runner = ModelRunner(config, weights, settings)
+    assert runner.model.kernels is None and runner.cache.k[0].device.type == "meta"
+    vocab = config.vocab_size
+    prompt = ChunkPlan(1, tuple(range(10)), 0, _table(0))
+    assert runner.logits(StepPlan((prompt,))).shape == (1, vocab)
+    assert runner.prompt_logits(range(10), chunk=4).shape == (10, vocab)
+    mixed = StepPlan(
+        (
+            ChunkPlan(1, (3,), 10, _table(0), (SampleSpec(1, SamplingParams()),)),
+            ChunkPlan(2, tuple(range(6)), 0, _table(16)),
+            ChunkPlan(3, (7, 8, 9), 4, _table(32)),  # a chunk after cached tokens
+            ChunkPlan(4, (5,), 20, _table(48)),
+        ),
+        block_copies=((0, 60),),
+    )
+    runner.cache.copy_blocks(mixed.block_copies)
+    assert runner.logits(mixed).shape == (4, vocab)
+    decodes = StepPlan(tuple(ChunkPlan(s, (s,), 11 + s, _table(16 * s)) for s in range(3)))
+    assert runner.logits(decodes).shape == (3, vocab)

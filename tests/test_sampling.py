@@ -180,3 +180,26 @@ def test_bad_shapes_raise_value_error() -> None:
         sample(torch.zeros(2, VOCAB), specs_for(1), [None])
     with pytest.raises(ValueError):
         sample(torch.zeros(1, VOCAB), specs_for(1), [])
+
+
+def test_sampling_keeps_its_tensors_on_the_logits_device() -> None:
+    """The CUDA path, checked without a GPU: on the ``meta`` device an op given a CPU tensor
+    raises, so penalties, bias, top-k/top-p/min-p and the draw, everything before the one
+    read of the chosen ids, run on the device of the logits."""
+    from furnace_trio.sampling import _draw, _process
+
+    params = SamplingParams(
+        temperature=0.8,
+        top_k=5,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.2,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        logit_bias={3: 2.0},
+    )
+    specs = [SampleSpec(i, params, (1, 2, 3), (4, 4)) for i in range(3)]
+    processed = _process(torch.empty(3, VOCAB, device="meta"), specs)
+    drawn = _draw(processed, specs, [None] * 3, [0, 1, 2])
+    assert processed.device.type == drawn.device.type == "meta"
+    assert drawn.shape == (3,)

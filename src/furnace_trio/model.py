@@ -90,7 +90,7 @@ class DecodeBatch:
         if not inputs.decode_rows:
             return None
         device = inputs.block_tables.device
-        max_ctx = int(inputs.decode_context_lens.max())
+        max_ctx = max(inputs.context_lens[b] for b in inputs.decode_rows)  # no device sync
         max_blocks = -(-max_ctx // block_size)
         tables = inputs.block_tables[inputs.decode_index][:, :max_blocks].contiguous()
         inside = torch.arange(max_ctx, device=device)[None, :] < inputs.decode_context_lens[:, None]
@@ -505,7 +505,8 @@ class Transformer(nn.Module):
         leftover = sorted(k for k in weights if "rotary_emb" not in k)
         if leftover:
             raise ValueError(f"unused weights: {', '.join(leftover[:5])}")
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        device = self.embed_tokens.device
+        self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
         # cos and sin of every position below the largest seen so far (see _rotary)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         # The fused native layer path (float32 on the CPU), set by use_native.

@@ -39,12 +39,16 @@ KV_DTYPES = ("auto", "model", "float16", "int8")
 
 
 def resolve_device(name: str = "auto") -> torch.device:
-    """``auto`` picks CUDA when available, else the CPU."""
+    """``auto`` picks CUDA when available, else the CPU; a CUDA device always gets its index."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was requested but CUDA is not available")
+    if device.type == "cuda" and device.index is None:
+        # With an index: torch.cuda.set_device (every step, on the model thread) refuses a
+        # bare "cuda".
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
