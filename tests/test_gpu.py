@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import httpx
+import openai
 import pytest
 import torch
+import trio
 
+from furnace_trio.app import create_app
+from furnace_trio.backend import DEFAULT_KV_CACHE_MB_CPU
+from furnace_trio.config import ServerConfig
+from furnace_trio.model import KVCache
 from furnace_trio.params import SamplingParams
 from furnace_trio.plan import ChunkPlan, SampleSpec, StepPlan
 from furnace_trio.runner import ModelRunner, RunnerConfig
 
-from .real_model import default_model, default_runner
+from .http_server import serve_app
+from .real_model import NAME, default_model, default_runner
 
 pytestmark = pytest.mark.gpu
 
@@ -55,3 +63,52 @@ def test_cuda_bfloat16_greedy_answer_says_paris() -> None:
             1, (sampled.token_id,), len(ids) + len(out) - 1, table, (SampleSpec(1, greedy),)
         )
     assert "Paris" in tok.decode(out)
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+async def test_the_server_on_cuda_serves_the_sdk_as_users_run_it() -> None:
+    """``FURNACE_DEVICE=cuda``: the app loads the default model onto the GPU itself (bfloat16,
+    no quantization, the KV cache sized from the device's free memory) and serves chat,
+    streamed and not, and concurrent requests in one batch."""
+    default_model()  # skips with the CPU tests' reason where the model package is absent
+    async with (
+        serve_app(create_app(ServerConfig(device="cuda"))) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client,
+    ):
+        reply = await client.chat.completions.create(
+            model=NAME, messages=QUESTION, temperature=0, max_tokens=40
+        )
+        text = reply.choices[0].message.content or ""
+        assert "Paris" in text
+        stream = await client.chat.completions.create(
+            model=NAME, messages=QUESTION, temperature=0, max_tokens=40, stream=True
+        )
+        pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        assert "".join(pieces) == text
+
+        # Sized from the GPU's free memory, not the CPU default.
+        async with httpx.AsyncClient() as http:
+            metrics = (await http.get(f"{url}/metrics")).text.splitlines()
+        (total,) = [m for m in metrics if m.startswith("furnace_kv_blocks_total ")]
+        per_block = KVCache.bytes_per_block(default_model().config, 16, torch.bfloat16)
+        assert int(float(total.split()[1])) * per_block > DEFAULT_KV_CACHE_MB_CPU << 20
+
+        counts: list[int] = []
+
+        async def one(i: int) -> None:
+            r = await client.completions.create(
+                model=NAME,
+                prompt=f"Item {i}: a short story about a lighthouse.",
+                max_tokens=24,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert r.usage is not None
+            counts.append(r.usage.completion_tokens)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(16):
+                nursery.start_soon(one, i)
+        assert counts == [24] * 16
