@@ -24,11 +24,11 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from _common import PROMPTS, long_prompt_text, machine, pct, split_runtime
+from _common import PROMPTS, long_prompt_text, machine, split_runtime
+from bench_engine import Result
 from hypercorn.config import Config
 from quart_trio import QuartTrio
 
@@ -39,22 +39,6 @@ from furnace_trio.engine import Engine
 from furnace_trio.loader import LoadedModel
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@dataclass
-class Result:
-    streams: int
-    tokens: int
-    seconds: float
-    ttft: list[float]
-    itl: list[float]
-
-    def row(self, label: str) -> str:
-        return (
-            f"| {label} | {self.streams} | {self.tokens / self.seconds:.1f} | "
-            f"{pct(self.ttft, 50) * 1e3:.0f} | {pct(self.ttft, 95) * 1e3:.0f} | "
-            f"{pct(self.itl, 50) * 1e3:.1f} | {pct(self.itl, 95) * 1e3:.1f} |"
-        )
 
 
 def free_port() -> int:

@@ -1,0 +1,179 @@
+"""The CUDA path on a GPU: engine level and over HTTP, against transformers on the same GPU.
+
+- Engine level: the default model on ``cuda`` (``--dtype``, default bfloat16, no
+  quantization), the server's CUDA engine defaults, closed loops of 1, 16 and 64 streams
+  (greedy, ``ignore_eos``, ``--max-tokens``); TTFT, ITL and aggregate tok/s; prefill of a
+  1,000-token prompt. transformers ``generate`` on the same GPU, dtype and weights (one
+  sequence, static batches of 16 and 64) in the same run, printed as ratios.
+- Over HTTP: ``hypercorn furnace_trio.app:app`` in a subprocess with ``FURNACE_DEVICE=cuda``
+  (as users run it), streams from an httpx client at 1, 16 and 64.
+- Batch invariance: 20 chat prompts x 32 greedy tokens decoded alone and inside a batch of
+  all 20 (runner level), the share whose tokens differ, for bfloat16 and float32.
+
+    python benchmarks/bench_cuda.py [--dtype bfloat16] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import torch
+import trio
+from _common import PROMPTS, chat_ids, long_prompt_ids, machine, transformers_model
+from bench_engine import Result
+from bench_engine import closed_loop as engine_loop
+from bench_http import free_port, run, serve, wait_ready
+from bench_quality import greedy
+
+from furnace_trio.backend import engine_config
+from furnace_trio.config import ServerConfig
+from furnace_trio.engine import Engine
+from furnace_trio.loader import LoadedModel, load_model
+from furnace_trio.model_thread import ModelThread
+from furnace_trio.runner import ModelRunner, RunnerConfig
+
+WORKLOADS = [(1, 3), (16, 3), (64, 2)]  # (streams, requests per stream)
+#: ``--quick``: a smoke run of the script itself (``--device cpu`` checks it without a GPU).
+QUICK = [(1, 1), (4, 1)]
+DEVICE = "cuda"
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def cuda_runner(loaded: LoadedModel, dtype: str, kv_gb: int = 8) -> ModelRunner:
+    return ModelRunner.from_loaded(
+        loaded, RunnerConfig(device=DEVICE, dtype=dtype, kv_cache_bytes=kv_gb << 30)
+    )
+
+
+async def engine_figures(
+    loaded: LoadedModel,
+    thread: ModelThread,
+    runner: ModelRunner,
+    workloads: list[tuple[int, int]],
+    max_tokens: int,
+) -> tuple[list[Result], float]:
+    tok = loaded.tokenizer
+    engine = Engine(
+        runner,
+        decode=tok.decode,
+        eos_token_ids=tok.eos_token_ids,
+        config=engine_config(ServerConfig(), DEVICE),
+        model_thread=thread,
+    )
+    prompts = [chat_ids(loaded, p) for p in PROMPTS]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        await engine_loop(engine, prompts, 4, 1, 8)  # warm-up (kernel selection)
+        results = [await engine_loop(engine, prompts, s, r, max_tokens) for s, r in workloads]
+        long = long_prompt_ids(loaded)
+        prefill = await engine_loop(engine, [long], 1, 1, 1)
+        engine.shutdown()
+        nursery.cancel_scope.cancel()
+    return results, len(long) / prefill.ttft[0]
+
+
+def transformers_figures(
+    loaded: LoadedModel, dtype: torch.dtype, batches: list[int], max_tokens: int
+) -> dict[int, float]:
+    model = transformers_model(loaded).to(DEVICE, dtype)
+    prompts = [chat_ids(loaded, p) for p in PROMPTS]
+    pad = min(loaded.tokenizer.eos_token_ids or (0,))
+    figures: dict[int, float] = {}
+    with torch.inference_mode():
+        for batch in batches:
+            rows = [prompts[i % len(prompts)] for i in range(batch)]
+            width = max(len(r) for r in rows)
+            ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=DEVICE)
+            mask = torch.tensor(
+                [[0] * (width - len(r)) + [1] * len(r) for r in rows], device=DEVICE
+            )
+            kwargs = {"do_sample": False, "pad_token_id": pad, "attention_mask": mask}
+            model.generate(ids, max_new_tokens=4, **kwargs)  # warm-up
+            sync()
+            start = time.perf_counter()
+            out = model.generate(
+                ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, **kwargs
+            )
+            sync()
+            figures[batch] = (out.shape[1] - width) * batch / (time.perf_counter() - start)
+    return figures
+
+
+def http_figures(workloads: list[tuple[int, int]], max_tokens: int) -> list[Any]:
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    proc = serve("none", port, {"FURNACE_DEVICE": DEVICE})
+    try:
+        wait_ready(base_url, proc)
+        model = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
+        return asyncio.run(run(base_url, model, workloads, max_tokens))[:-1]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def invariance(loaded: LoadedModel, dtype: str, steps: int) -> int:
+    runner = cuda_runner(loaded, dtype, kv_gb=1)
+    prompts = [chat_ids(loaded, p) for p in PROMPTS]
+    alone = [greedy(runner, [p], steps)[0] for p in prompts]
+    batched = greedy(runner, prompts, steps)
+    return sum(a != b for a, b in zip(alone, batched, strict=True))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="a smoke run of this script")
+    args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    workloads = QUICK if args.quick else WORKLOADS
+    steps = 4 if args.quick else 32
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "no GPU"
+    print(f"machine: {machine()}, {gpu}")
+    thread = ModelThread()
+    loaded = thread.call(load_model, None)
+    runner = thread.call(cuda_runner, loaded, args.dtype)
+    ours, prefill = trio.run(engine_figures, loaded, thread, runner, workloads, args.max_tokens)
+    thread.close()
+    del runner
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    batches = [s for s, _ in workloads]
+    ref = transformers_figures(loaded, getattr(torch, args.dtype), batches, args.max_tokens)
+    over_http = http_figures(workloads, args.max_tokens)
+
+    print(f"\n{args.dtype} on {DEVICE}, max_tokens={args.max_tokens}, greedy, closed loop\n")
+    print("| side | streams | tok/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in ours:
+        print(r.row("engine"))
+    for r in over_http:
+        print(r.row("HTTP (hypercorn subprocess)"))
+    print("\n| streams | transformers generate tok/s | engine / transformers | HTTP / engine |")
+    print("| --- | --- | --- | --- |")
+    for mine, http in zip(ours, over_http, strict=True):
+        t = ref[mine.streams]
+        print(
+            f"| {mine.streams} | {t:.0f} | {mine.tok_s / t:.2f}x | {http.tok_s / mine.tok_s:.3f} |"
+        )
+    print(f"\nprefill, 1,000-token prompt: {prefill:.0f} tok/s")
+    for dtype in ("bfloat16", "float32"):
+        differ = invariance(loaded, dtype, steps)
+        print(
+            f"batch invariance ({dtype}): {differ}/{len(PROMPTS)} prompts differ alone vs in a batch"
+        )
+
+
+if __name__ == "__main__":
+    main()
