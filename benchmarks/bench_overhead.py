@@ -13,9 +13,12 @@ round to round, so every side sees the same moments of this machine's memory ban
 which drifts by tens of percent within a minute. A side's speed is compared with the
 engine's in the same round; the table gives the median and the quartiles of those ratios.
 
-Two HTTP clients: ``raw`` (a blocking socket, HTTP/1.1 by hand, SSE events counted per read:
-what the server costs, with as little client as possible on the same 2 cores) and ``httpx``
-(an asyncio ``httpx.AsyncClient`` parsing every chunk as JSON, as ``bench_http.py`` does).
+HTTP clients (``--client``, default ``raw,httpx``): ``raw`` (a blocking socket, HTTP/1.1 by
+hand, SSE events counted per read: what the server costs, with as little Python client as
+possible on the same 2 cores), ``httpx`` (an asyncio ``httpx.AsyncClient`` parsing every
+chunk as JSON, as ``bench_http.py`` does) and ``curl`` (``_curl_client.py``: C, a few
+microseconds per chunk; its CPU column includes each curl process's start, and it times
+requests, not tokens, so it has no ITL).
 
 CPU time per token is read per thread (``/proc/<pid>/task/*/schedstat``): the Trio thread
 (the server's, or this process's for the engine side), the model's threads (the model thread
@@ -23,7 +26,7 @@ and its OpenMP team), and the client's thread. On 2 cores every millisecond a th
 than the model's spends during a step is taken from the step.
 
     python benchmarks/bench_overhead.py [--streams 1] [--rounds 16] [--requests 1]
-                                        [--max-tokens 64] [--client both|raw|httpx]
+                                        [--max-tokens 64] [--client raw,httpx,curl]
                                         [--warm-up] [--also-env KEY=VALUE,...]
 """
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import statistics
 import subprocess
@@ -42,6 +46,7 @@ from dataclasses import dataclass, field
 import httpx
 import trio
 from _common import PROMPTS, chat_ids, machine, pct
+from _curl_client import curl_requests
 from _raw_client import ClientProcess
 from bench_engine import closed_loop as engine_loop
 from bench_engine import load_on_thread, make_engine
@@ -132,6 +137,7 @@ def report(sides: list[Side], args: argparse.Namespace) -> None:
         itl = statistics.median(r.itl_p50 for r in rs)
         lo, mid, hi = quartiles([r.tok_s / e.tok_s for r, e in zip(rs, engine, strict=True)])
         extra = "" if side is sides[0] else f" (+{(itl - e_itl) * 1e3:.2f})"
+        itl_cell = "n/a" if math.isnan(itl) else f"{itl * 1e3:.2f}{extra}"  # curl: no ITL
 
         def per_token(cpu: Callable[[Round], float], rs: list[Round] = rs) -> str:
             return f"{statistics.median(cpu(r) / r.tokens for r in rs) * 1e3:.2f}"
@@ -139,7 +145,7 @@ def report(sides: list[Side], args: argparse.Namespace) -> None:
         client = "" if side is sides[0] else per_token(lambda r: r.client_cpu)
         print(
             f"| {side.name} | {statistics.median(r.tok_s for r in rs):.1f} | "
-            f"{itl * 1e3:.2f}{extra} | {mid:.3f} [{lo:.3f}, {hi:.3f}] | "
+            f"{itl_cell} | {mid:.3f} [{lo:.3f}, {hi:.3f}] | "
             f"{per_token(lambda r: r.trio_cpu)} | {per_token(lambda r: r.model_cpu)} | {client} |"
         )
 
@@ -174,7 +180,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1)
     parser.add_argument("--requests", type=int, default=1, help="per stream")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--client", choices=["both", "raw", "httpx"], default="both")
+    parser.add_argument(
+        "--client",
+        default="raw,httpx",
+        help="comma-separated HTTP clients: raw, httpx, curl ('both': raw,httpx); the "
+        "same-process side uses the first of raw and curl listed",
+    )
     parser.add_argument(
         "--warm-up",
         action="store_true",
@@ -189,7 +200,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     print(f"machine: {machine()}")
-    clients = ["raw", "httpx"] if args.client == "both" else [args.client]
+    clients = ["raw", "httpx"] if args.client == "both" else args.client.split(",")
+    if not set(clients) <= {"raw", "httpx", "curl"}:
+        parser.error(f"unknown client in {args.client!r}")
+    # The same-process side's client must run in a process of its own (not httpx, which
+    # would share this process's interpreter with the server).
+    lean = next((c for c in clients if c != "httpx"), "raw")
     servers: list[Server] = []
     client_process = ClientProcess()
     try:
@@ -202,17 +218,23 @@ def main() -> None:
         prompts = [chat_ids(loaded, p) for p in PROMPTS]
 
         def http(server: Server, client: str, streams: int) -> tuple[int, float, float, float]:
+            return over_http(server.port, client, streams, args.requests)
+
+        def over_http(
+            port: int, client: str, streams: int, requests: int, max_tokens: int = args.max_tokens
+        ) -> tuple[int, float, float, float]:
             if client == "raw":
-                return client_process.requests(
-                    server.port, model, PROMPTS, streams, args.requests, args.max_tokens
-                )
-            return httpx_requests(server.base_url, model, streams, args.requests, args.max_tokens)
+                return client_process.requests(port, model, PROMPTS, streams, requests, max_tokens)
+            if client == "curl":
+                return curl_requests(port, model, PROMPTS, streams, requests, max_tokens)
+            base_url = f"http://127.0.0.1:{port}"
+            return httpx_requests(base_url, model, streams, requests, max_tokens)
 
         # sides[0]: the engine; sides[1]: the server in this process over that same engine;
         # then (side, server, client) for every server in a process of its own.
         http_sides = [(Side(f"HTTP ({c})"), servers[0], c) for c in clients]
-        http_sides += [(Side(f"HTTP (raw{s.label})"), s, "raw") for s in servers[1:]]
-        sides = [Side("engine"), Side("HTTP (raw, same process)")]
+        http_sides += [(Side(f"HTTP ({lean}{s.label})"), s, lean) for s in servers[1:]]
+        sides = [Side("engine"), Side(f"HTTP ({lean}, same process)")]
         sides += [side for side, _, _ in http_sides]
 
         async def rounds() -> None:
@@ -227,19 +249,19 @@ def main() -> None:
                 return r.tokens, r.seconds, pct(r.itl, 50), 0.0
 
             def same_process_side() -> tuple[int, float, float, float]:
-                return client_process.requests(
-                    port, model, PROMPTS, args.streams, args.requests, args.max_tokens
-                )
+                return over_http(port, lean, args.streams, args.requests)
 
             async def warm_up(i: int) -> None:
                 """A 4-token request on side ``i``, untimed, right before its round."""
                 if i == 0:
                     await engine_loop(engine, prompts, 1, 1, 4)
                 else:
-                    side_port = port if i == 1 else http_sides[i - 2][1].port
-                    await trio.to_thread.run_sync(
-                        client_process.requests, side_port, model, PROMPTS, 1, 1, 4
+                    side_port, client = (
+                        (port, lean)
+                        if i == 1
+                        else (http_sides[i - 2][1].port, http_sides[i - 2][2])
                     )
+                    await trio.to_thread.run_sync(over_http, side_port, client, 1, 1, 4)
 
             config = quiet_config(port)
             app = app_over(engine, loaded, model, runner.max_context)
@@ -249,9 +271,7 @@ def main() -> None:
                 await nursery.start(serve_asgi, app, config)
                 await trio.to_thread.run_sync(wait_ready, f"http://127.0.0.1:{port}")
                 await engine_loop(engine, prompts, 1, 1, 4)  # warm-up
-                await trio.to_thread.run_sync(
-                    client_process.requests, port, model, PROMPTS, 1, 1, 4
-                )
+                await trio.to_thread.run_sync(over_http, port, lean, 1, 1, 4)
                 for _, server, client in http_sides:
                     http(server, client, 1)  # warm-up (blocks: nothing else runs)
                 for k in range(args.rounds):
