@@ -20,6 +20,8 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 
+from _raw_client import stream_request
+
 
 def _usage_tokens(path: str) -> int:
     with open(path, "rb") as f:
@@ -42,16 +44,8 @@ def curl_requests(
             for r in range(w * requests, (w + 1) * requests):
                 if r > w * requests:
                     cmd.append("--next")
-                body = {
-                    "model": model,
-                    "messages": [{"role": "user", "content": prompts[r % len(prompts)]}],
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
-                cmd += ["-H", "Content-Type: application/json", "--data-binary", json.dumps(body)]
+                body = json.dumps(stream_request(model, prompts[r % len(prompts)], max_tokens))
+                cmd += ["-H", "Content-Type: application/json", "--data-binary", body]
                 cmd += ["-o", f"{tmp}/{r}", "-w", "%{http_code} %{time_total}\\n", url]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
         stream_seconds: list[float] = []

@@ -24,6 +24,20 @@ def _p50(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def stream_request(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """The benchmarks' request: a streamed greedy chat completion of exactly ``max_tokens``
+    tokens (``ignore_eos``), with the usage chunk at the end."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 def raw_stream(
     port: int, model: str, prompts: Sequence[str], first: int, requests: int, max_tokens: int
 ) -> tuple[int, list[float], float]:
@@ -35,17 +49,7 @@ def raw_stream(
     cpu = time.thread_time()
     with socket.create_connection(("127.0.0.1", port)) as sock:
         for r in range(first, first + requests):
-            body = json.dumps(
-                {
-                    "model": model,
-                    "messages": [{"role": "user", "content": prompts[r % len(prompts)]}],
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
-            ).encode()
+            body = json.dumps(stream_request(model, prompts[r % len(prompts)], max_tokens)).encode()
             head = (
                 "POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
