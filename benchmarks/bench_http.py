@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 from _common import PROMPTS, long_prompt_text, machine, split_runtime
+from _raw_client import stream_request
 from bench_engine import Result
 from hypercorn.config import Config
 from quart_trio import QuartTrio
@@ -68,15 +69,7 @@ def app_over(engine: Engine, loaded: LoadedModel, model: str, max_context: int) 
 async def one_request(
     client: httpx.AsyncClient, content: str, max_tokens: int, ttft: list[float], itl: list[float]
 ) -> int:
-    body = {
-        "model": client.headers["x-bench-model"],
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = stream_request(client.headers["x-bench-model"], content, max_tokens)
     start = time.perf_counter()
     last: float | None = None
     tokens = 0
