@@ -11,6 +11,7 @@ import socket
 from collections import Counter
 from collections.abc import Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import openai
@@ -106,29 +107,60 @@ async def until_no_request_in_flight(served: Served) -> None:
     raise AssertionError("a request is still in flight")
 
 
-@pytest.mark.parametrize("direct_send", [True, False])
+async def sdk_stream_text(url: str, **extra: Any) -> str:
+    """The text of a streamed chat completion of up to 1,000 tokens, read by the SDK."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    async with client:
+        stream = await client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "count"}],
+            max_tokens=1000,
+            stream=True,
+            **extra,
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+
+@pytest.mark.parametrize(("direct_send", "fast_lane"), [(True, True), (True, False), (False, True)])
 async def test_a_stream_reads_the_same_with_or_without_the_direct_path(
-    direct_send: bool,
+    direct_send: bool, fast_lane: bool
 ) -> None:
-    async with serve_scripted(long_runner(), direct_send=direct_send) as served:
-        client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0)
-        async with client:
-            stream = await client.chat.completions.create(
-                model=MODEL_NAME,
-                messages=[{"role": "user", "content": "count"}],
-                max_tokens=1000,
-                stream=True,
-            )
-            parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
-        assert "".join(parts) == LONG
+    async with serve_scripted(
+        long_runner(), direct_send=direct_send, fast_lane=fast_lane
+    ) as served:
+        assert await sdk_stream_text(served.url) == LONG
         await until_no_request_in_flight(served)
         counts = served.state.direct_send
-        if direct_send:
+        if direct_send and fast_lane:
+            # The role chunk from the response's task, the deltas from the engine's (but
+            # for any that came while the response's task was busy), the rest from the
+            # response's task again: all straight to the socket.
+            assert counts["fast_lane"] >= len(LONG) - 10
+            assert counts["direct"] + counts["fast_lane"] >= len(LONG) + 3
+            assert counts["handed_over"] == 0
+        elif direct_send:
             # Every content chunk (and the role chunk) went straight to the socket.
             assert counts["direct"] >= len(LONG)
-            assert counts["handed_over"] == 0
+            assert counts["handed_over"] == counts["fast_lane"] == 0
+        else:  # the fast lane needs the direct path
+            assert counts["direct"] == counts["handed_over"] == counts["fast_lane"] == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [({}, LONG), ({"stop": ["119"]}, LONG.removesuffix("119, ")), ({"logprobs": True}, LONG)],
+    ids=["plain", "stop-strings", "logprobs"],
+)
+async def test_only_plain_streams_take_the_fast_lane(extra: dict[str, Any], expected: str) -> None:
+    """Stop strings and logprobs make more than deltas of a token, so their streams go
+    through the response's task; the text reads the same either way."""
+    async with serve_scripted(long_runner()) as served:
+        assert await sdk_stream_text(served.url, **extra) == expected
+        await until_no_request_in_flight(served)
+        if extra:
+            assert served.state.direct_send["fast_lane"] == 0
         else:
-            assert counts["direct"] == counts["handed_over"] == 0
+            assert served.state.direct_send["fast_lane"] >= len(LONG) - 10
 
 
 async def test_two_streams_on_one_keep_alive_connection() -> None:
@@ -144,7 +176,8 @@ async def test_two_streams_on_one_keep_alive_connection() -> None:
                     assert streamed_text(await read_chunked_response(stream, buffer)) == LONG
         assert not buffer
         await until_no_request_in_flight(served)
-        assert served.state.direct_send["direct"] >= 2 * len(LONG)
+        counts = served.state.direct_send
+        assert counts["direct"] + counts["fast_lane"] >= 2 * len(LONG)
 
 
 async def test_a_reader_that_falls_behind_gets_every_byte_in_order() -> None:
@@ -241,4 +274,7 @@ async def test_a_failed_write_hands_the_whole_chunk_to_hypercorn(
         await until_no_request_in_flight(served)
         counts = served.state.direct_send
         assert counts["handed_over"] == calls // 7 >= len(LONG) // 7
-        assert counts["direct"] == calls - calls // 7
+        # The first failure ends the stream's fast lane (its chunk goes to hypercorn
+        # before anything else); the rest go from the response's task.
+        assert counts["direct"] + counts["fast_lane"] == calls - calls // 7
+        assert 1 <= counts["fast_lane"] <= 5  # writes 2 to 6 at most (1: the role chunk)

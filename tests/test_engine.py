@@ -613,3 +613,117 @@ async def test_statistics_count_tokens_and_outcomes() -> None:
     assert stats.decode_step_time.count >= 3
     assert stats.kv_blocks_total == 256
     assert stats.time_to_first_token.counts[-1] == 2
+
+
+# -- the fast lane ------------------------------------------------------------------------
+
+
+async def _with_fast_lane(
+    engine: Engine, req: GenerationRequest, accept: int | None = None, raises: bool = False
+) -> tuple[list[tuple[str, str]], Outcome, bool]:
+    """Run ``req`` with a fast lane that takes ``accept`` deltas (all if None) then
+    refuses one (or raises); returns the text in the order it went out, each piece marked
+    with who sent it, the consumer's outcome, and whether the lane was attached."""
+    order: list[tuple[str, str]] = []
+    calls = 0
+
+    def sink(delta: Delta) -> bool:
+        nonlocal calls
+        calls += 1
+        if accept is not None and calls > accept:
+            if raises:
+                raise RuntimeError("the sink broke")
+            return False
+        order.append(("lane", delta.text))
+        return True
+
+    stream = engine.submit(req)
+    attached = stream.attach_fast_lane(sink)
+    out = Outcome()
+    async with stream:
+        async for event in stream:
+            out.events.append(event)
+            if isinstance(event, Delta):
+                order.append(("consumer", event.text))
+            elif isinstance(event, Finished):
+                out.finished[event.index] = event
+    if accept is not None:
+        assert calls == accept + 1  # the lane ended at the first refusal
+    return order, out, attached
+
+
+async def test_a_fast_lane_sends_the_deltas_in_order_and_leaves_the_finish() -> None:
+    runner = ScriptedRunner({encode("hi"): encode("abcdefghijklmnop")})
+    async with serving(runner) as engine:
+        order, out, attached = await _with_fast_lane(engine, request("hi", max_tokens=16))
+    assert attached
+    assert "".join(text for _, text in order) == "abcdefghijklmnop"
+    assert sum(who == "lane" for who, _ in order) >= 8  # the consumer waited for most
+    assert out.finished[0].reason == "length"
+    assert out.finished[0].completion_tokens == 16
+    assert isinstance(out.events[-1], Finished)
+
+
+@pytest.mark.parametrize("raises", [False, True])
+async def test_a_fast_lane_that_refuses_leaves_the_rest_to_the_consumer(raises: bool) -> None:
+    runner = ScriptedRunner({encode("hi"): encode("abcdefghijklmnop")})
+    async with serving(runner) as engine:
+        order, out, _ = await _with_fast_lane(
+            engine, request("hi", max_tokens=16), accept=3, raises=raises
+        )
+    assert "".join(text for _, text in order) == "abcdefghijklmnop"
+    assert [who for who, _ in order if who == "lane"] == ["lane"] * 3
+    lane_at = [i for i, (who, _) in enumerate(order) if who == "lane"]
+    assert all(who == "consumer" for who, _ in order[lane_at[-1] + 1 :])
+    assert out.finished[0].completion_tokens == 16
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"stop": ("x",)}, {"logprobs": 1}, {"n": 2, "temperature": 1.0}],
+    ids=["stop-strings", "logprobs", "n2"],
+)
+async def test_streams_whose_tokens_make_more_than_deltas_get_no_fast_lane(
+    params: dict[str, object],
+) -> None:
+    runner = ScriptedRunner({encode("hi"): encode("abcd")})
+    async with serving(runner) as engine:
+        order, out, attached = await _with_fast_lane(engine, request("hi", max_tokens=4, **params))
+    assert not attached
+    assert {who for who, _ in order} == {"consumer"}
+    assert len(out.finished) == params.get("n", 1)
+
+
+async def test_a_token_that_breaks_the_detokenizer_in_the_fast_lane_fails_only_its_stream() -> None:
+    """What would have raised in the consumer's task (here the detokenizer) must not reach
+    the engine's: the stream gets a failure, leaving it aborts the request, and the engine
+    serves on."""
+
+    def fragile_decode(ids: list[int]) -> str:
+        if ord("X") in ids:
+            raise ValueError("cannot decode X")
+        return decode(ids)
+
+    runner = ScriptedRunner({encode("hi"): encode("abcdXfghijkl"), encode("ok"): encode("fine")})
+    engine = Engine(
+        runner,
+        decode=fragile_decode,
+        eos_token_ids=frozenset({EOS}),
+        token_bytes=token_bytes,
+        config=EngineConfig(),
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        order, out, attached = await _with_fast_lane(engine, request("hi", max_tokens=12))
+        assert attached
+        assert isinstance(out.events[-1], Failed)
+        assert "cannot decode X" in out.events[-1].message
+        assert "".join(text for _, text in order) == "abcd"
+        after = await collect(engine.submit(request("ok", max_tokens=4)))
+        assert after.text == {0: "fine"}
+        for _ in range(100):
+            if engine.statistics().running == 0:
+                break
+            await trio.sleep(0.01)
+        assert engine.statistics().running == 0
+        nursery.cancel_scope.cancel()

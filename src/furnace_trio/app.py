@@ -40,7 +40,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +92,8 @@ logger = logging.getLogger(__name__)
 
 BackendFactory = Callable[[ServerConfig], "Backend"]
 SCOPE_KEY = "furnace_trio.request_ids"
+#: The response's :class:`DirectSend`, where a stream's fast lane may use it.
+FAST_LANE_KEY = "furnace_trio.fast_lane"
 STATE_KEY = "furnace_trio"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 BUSY_RETRY_AFTER_S = 1
@@ -199,8 +201,13 @@ class AbortOnExit:
                 config = self.state.config
                 if config is not None and config.direct_send:
                     direct = DirectSend.of(send, scope["method"], status, self.state.direct_send)
-            elif direct is not None and await direct.send(message):
-                return
+                    if direct is not None and config.fast_lane:
+                        scope[FAST_LANE_KEY] = direct  # type: ignore[literal-required]
+            elif direct is not None:
+                if direct.pending:  # what a fast lane could not write goes first
+                    await direct.flush_pending()
+                if await direct.send(message):
+                    return
             await send(message)
 
         state = self.state
@@ -838,7 +845,7 @@ async def _generate(
     tools = tool_stream(request_id, params.n) if tool_stream is not None else None
     if parsed.stream:
         response = Response(
-            _stream_body(stream, collector, timing, parsed.include_usage, tools),
+            _stream_body(stream, collector, timing, parsed.include_usage, tools, request.scope),
             mimetype="text/event-stream",
             headers=SSE_HEADERS,
         )
@@ -904,6 +911,7 @@ async def _stream_body(
     timing: _Timing,
     include_usage: bool,
     tools: ToolCallStream | None = None,
+    scope: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[bytes]:
     """SSE body; ``finally`` aborts (sync, idempotent) however the generator ends."""
     try:
@@ -913,6 +921,13 @@ async def _stream_body(
                 if stream.session_id is not None:
                     first["session_id"] = stream.session_id
                 yield sse_event(first)
+        # Everything before this point has been sent: from here the deltas may go out
+        # from the engine's task (the fast lane), in order with what this sends.
+        direct = scope.get(FAST_LANE_KEY) if scope is not None else None
+        if isinstance(direct, DirectSend) and tools is None and stream.fast_lane_fits:
+            stream.attach_fast_lane(
+                _fast_lane_sink(stream, direct, collector, timing, include_usage)
+            )
         async for engine_event in stream:
             events = tools.translate(engine_event) if tools is not None else [engine_event]
             for event in events:
@@ -937,6 +952,35 @@ async def _stream_body(
     finally:
         stream.close()
         timing.log(collector)
+
+
+def _fast_lane_sink(
+    stream: RequestStream,
+    direct: DirectSend,
+    collector: Collector,
+    timing: _Timing,
+    include_usage: bool,
+) -> Callable[[Delta], bool]:
+    """A stream's fast lane: each delta's SSE event written to the socket from the
+    engine's task as its step ends, the same bytes :func:`_stream_chunks` would send,
+    without waking this response's task (see :meth:`RequestStream.attach_fast_lane`).
+    Where the socket cannot take a chunk whole, the lane ends and the rest goes out
+    through hypercorn before anything else."""
+
+    def sink(delta: Delta) -> bool:
+        if not direct.ready():
+            return False
+        if timing.first_token is None:
+            timing.first_token = time.monotonic()
+        if delta.text:
+            direct.write_now(
+                collector.content_event(delta.index, delta.text, include_usage=include_usage)
+            )
+            if direct.pending:
+                stream.detach_fast_lane()
+        return True
+
+    return sink
 
 
 def _stream_chunks(

@@ -62,6 +62,9 @@ class ServerConfig:
     step_timeout_s: float = 120.0
     stream_interval: int = 1
     direct_send: bool = True
+    # A plain stream's deltas written by the engine's task as each step ends (needs
+    # direct_send; see RequestStream.attach_fast_lane).
+    fast_lane: bool = True
     drain_timeout_s: float = 30.0
     exit_on_engine_failure: bool = False
 
@@ -172,6 +175,7 @@ class ServerConfig:
             ),
             stream_interval=stream_interval or defaults.stream_interval,
             direct_send=_flag(environ, "FURNACE_DIRECT_SEND", defaults.direct_send),
+            fast_lane=_flag(environ, "FURNACE_FAST_LANE", defaults.fast_lane),
             drain_timeout_s=_positive_float(
                 environ, "FURNACE_DRAIN_TIMEOUT_S", defaults.drain_timeout_s, allow_zero=True
             ),
