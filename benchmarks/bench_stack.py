@@ -16,8 +16,10 @@ the Trio thread's CPU time (``time.thread_time``) around the whole request:
 - ``engine``: furnace-trio's Engine over the sleeping runner, its stream consumed in
   process (scheduler, detokenizer, stream events: no HTTP);
 - ``furnace``: the server's app (``create_app``) over that engine under hypercorn, a
-  streamed chat completion (its chunks written straight to the socket, the default:
-  :mod:`furnace_trio.direct_send`);
+  streamed chat completion (its deltas written straight to the socket by the engine's
+  task, the fast lane, the default: :mod:`furnace_trio.direct_send`);
+- ``furnace-no-fast-lane``: the same app with ``fast_lane=False`` (each delta woken into
+  the response's task, which writes it straight to the socket, as in the eleventh session);
 - ``furnace-hypercorn-send``: the same app with ``direct_send=False`` (every chunk through
   hypercorn's send path, as before the eleventh session).
 
@@ -72,9 +74,10 @@ ROWS = (
     "quart",
     "engine",
     "furnace",
+    "furnace-no-fast-lane",
     "furnace-hypercorn-send",
 )
-FURNACE_ROWS = ("furnace", "furnace-hypercorn-send")
+FURNACE_ROWS = ("furnace", "furnace-no-fast-lane", "furnace-hypercorn-send")
 
 
 class SleepRunner:
@@ -211,6 +214,7 @@ async def main_async(args: argparse.Namespace, client: ClientProcess) -> dict[st
         "hypercorn": asgi_app(thread, step_s),
         "quart": quart_app(thread, step_s),
         "furnace": create_app(ServerConfig(), backend_factory=factory),
+        "furnace-no-fast-lane": create_app(ServerConfig(fast_lane=False), backend_factory=factory),
         "furnace-hypercorn-send": create_app(
             ServerConfig(direct_send=False), backend_factory=factory
         ),
@@ -283,6 +287,8 @@ def report(cpu: dict[str, list[float]], args: argparse.Namespace) -> None:
     print(
         f"\nthe stack (quart - wake): {paired(cpu, 'quart', 'wake'):.1f} us per chunk; "
         f"furnace-trio's HTTP side (furnace - engine): {paired(cpu, 'furnace', 'engine'):.1f}; "
+        "without the fast lane (furnace-no-fast-lane - engine): "
+        f"{paired(cpu, 'furnace-no-fast-lane', 'engine'):.1f}; "
         "with hypercorn's send path (furnace-hypercorn-send - engine): "
         f"{paired(cpu, 'furnace-hypercorn-send', 'engine'):.1f}"
     )
