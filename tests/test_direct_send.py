@@ -209,12 +209,16 @@ async def test_a_reader_that_falls_behind_gets_every_byte_in_order() -> None:
             assert f'furnace_direct_send_chunks_total{{path="{path}"}} {count}\n' in metrics
 
 
-def test_the_direct_path_is_a_server_setting() -> None:
+def test_the_direct_path_and_the_fast_lane_are_server_settings() -> None:
     assert ServerConfig().direct_send is True
     assert ServerConfig.from_env({"FURNACE_DIRECT_SEND": "0"}).direct_send is False
     assert ServerConfig.from_env({"FURNACE_DIRECT_SEND": "true"}).direct_send is True
     with pytest.raises(ConfigError, match="FURNACE_DIRECT_SEND"):
         ServerConfig.from_env({"FURNACE_DIRECT_SEND": "sometimes"})
+    assert ServerConfig().fast_lane is True
+    assert ServerConfig.from_env({"FURNACE_FAST_LANE": "0"}).fast_lane is False
+    with pytest.raises(ConfigError, match="FURNACE_FAST_LANE"):
+        ServerConfig.from_env({"FURNACE_FAST_LANE": "maybe"})
 
 
 def test_a_send_that_is_not_hypercorns_http1_has_no_direct_path() -> None:
