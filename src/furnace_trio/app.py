@@ -203,11 +203,8 @@ class AbortOnExit:
                     direct = DirectSend.of(send, scope["method"], status, self.state.direct_send)
                     if direct is not None and config.fast_lane:
                         scope[FAST_LANE_KEY] = direct  # type: ignore[literal-required]
-            elif direct is not None:
-                if direct.pending:  # what a fast lane could not write goes first
-                    await direct.flush_pending()
-                if await direct.send(message):
-                    return
+            elif direct is not None and await direct.send(message):
+                return
             await send(message)
 
         state = self.state
@@ -924,7 +921,7 @@ async def _stream_body(
         # Everything before this point has been sent: from here the deltas may go out
         # from the engine's task (the fast lane), in order with what this sends.
         direct = scope.get(FAST_LANE_KEY) if scope is not None else None
-        if isinstance(direct, DirectSend) and tools is None and stream.fast_lane_fits:
+        if isinstance(direct, DirectSend) and tools is None:
             stream.attach_fast_lane(
                 _fast_lane_sink(stream, direct, collector, timing, include_usage)
             )

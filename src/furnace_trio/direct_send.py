@@ -109,31 +109,39 @@ class DirectSend:
         """Write one body chunk without awaiting (the engine's task calls it, through a
         stream's fast lane), after :meth:`ready` said yes. What the socket does not take
         now, or all of it if the write fails, is kept in :attr:`pending` for
-        :meth:`flush_pending`; never raises."""
+        :meth:`send` to put through hypercorn first; never raises."""
         try:
             data = self.connection.send(h11.Data(data=body))
         except h11.LocalProtocolError:  # cannot happen after ready(); dropped, as hypercorn
             return
         assert data is not None
-        try:
-            written = os.write(self.socket.fileno(), data)
-        except OSError:  # a full buffer, a broken connection: hypercorn's to handle
-            written = 0
+        written = self._write(data)
         if written == len(data):
             self.counts["fast_lane"] += 1
         else:
             self.pending = data[written:]
 
-    async def flush_pending(self) -> None:
-        """Send what :meth:`write_now` left, through hypercorn's raw-data path."""
+    def _write(self, data: bytes) -> int:
+        """One non-blocking ``os.write`` of ``data``: the bytes written, 0 where the
+        connection's send lock is held, the socket closed, or the write failed."""
+        # The descriptor is read each time: -1 once hypercorn closed the socket (a number
+        # kept from before could by then name another file). No await until the write.
+        fd = self.socket.fileno()
+        if fd < 0 or self.server.send_lock.locked():
+            return 0
+        try:
+            return os.write(fd, data)
+        except OSError:  # BlockingIOError, or a broken connection: hypercorn's to handle
+            return 0
+
+    async def send(self, message: Any) -> bool:
+        """Send ``message`` if it is a body chunk with more to follow; ``False`` (nothing
+        done) for any other message, or while the response is not in its body. Whatever
+        :meth:`write_now` left goes out first, whatever the message."""
         if self.pending:
             data, self.pending = self.pending, b""
             self.counts["handed_over"] += 1
             await self.protocol.send(RawData(data=data))
-
-    async def send(self, message: Any) -> bool:
-        """Send ``message`` if it is a body chunk with more to follow; ``False`` (nothing
-        done) for any other message, or while the response is not in its body."""
         body = message.get("body", b"")
         if (
             message["type"] != "http.response.body"
@@ -151,18 +159,10 @@ class DirectSend:
                 raise
             return True
         assert data is not None  # None only for ConnectionClosed
-        written = 0
-        # The descriptor is read each time: -1 once hypercorn closed the socket (a number
-        # kept from before could by then name another file). No await until the write.
-        fd = self.socket.fileno()
-        if fd >= 0 and not self.server.send_lock.locked():
-            try:
-                written = os.write(fd, data)
-            except OSError:  # BlockingIOError, or a broken connection: hypercorn's to handle
-                written = 0
-            if written == len(data):
-                self.counts["direct"] += 1
-                return True
+        written = self._write(data)
+        if written == len(data):
+            self.counts["direct"] += 1
+            return True
         self.counts["handed_over"] += 1
         await self.protocol.send(RawData(data=data[written:]))
         return True

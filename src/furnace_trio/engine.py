@@ -269,14 +269,6 @@ _WAKE = _Wake()
 _Message = Admitted | Failed | _Token | _Finish | _Wake
 
 
-class _Taken(enum.Enum):
-    """What a stream's fast lane did with a message offered to it."""
-
-    NO = enum.auto()  # nothing: send it through the channel
-    ALL = enum.auto()  # consumed, and every event it made went out
-    WAKE = enum.auto()  # consumed, but it left events for the consumer: wake it
-
-
 class _State(enum.Enum):
     NEW = "new"
     RUNNING = "running"
@@ -302,7 +294,7 @@ class _Request:
     # per sample index, tokens held back for the next group (stream_interval > 1)
     held: dict[int, list[SampledToken]] = field(default_factory=dict)
     # The stream's fast lane, while one is attached (RequestStream.attach_fast_lane).
-    fast_lane: Callable[[_Token], _Taken] | None = None
+    fast_lane: Callable[[_Token], _Message | None] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -669,11 +661,10 @@ class Engine:
     def _send(self, request: _Request, message: _Message) -> bool:
         """Whether the message went out; a closed stream aborts the request."""
         if request.fast_lane is not None and isinstance(message, _Token):
-            taken = request.fast_lane(message)
-            if taken is _Taken.ALL:
+            offered = request.fast_lane(message)
+            if offered is None:
                 return True
-            if taken is _Taken.WAKE:
-                message = _WAKE
+            message = offered
         try:
             request.send.send_nowait(message)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -836,13 +827,6 @@ class RequestStream:
 
     # -- the fast lane --------------------------------------------------------------------
 
-    @property
-    def fast_lane_fits(self) -> bool:
-        """Whether every event a token makes is a :class:`Delta` (one sample, no stop
-        strings, no logprobs): what :meth:`attach_fast_lane` needs."""
-        params = self._params
-        return params.n == 1 and not params.stop and not self._want_logprobs
-
     def attach_fast_lane(self, sink: Callable[[Delta], bool]) -> bool:
         """Hand this stream's deltas to ``sink`` in the engine's task, as the model step
         that made them ends, instead of through the channel and this stream's consumer.
@@ -852,10 +836,13 @@ class RequestStream:
         and the lane ends). A token is taken only while the consumer waits on an empty
         channel, so the sink's output and the consumer's never cross; everything that is
         not a delta (the finish, a failure) reaches the consumer as before. Returns whether
-        the lane was attached (not for a stream that does not fit, or is over).
+        the lane was attached: only where every event a token makes is a delta (one
+        sample, no stop strings, no logprobs), and the stream is not over.
         """
         request = self._engine._requests.get(self.request_id)
-        if request is None or self._closed or self._done or not self.fast_lane_fits:
+        params = self._params
+        fits = params.n == 1 and not params.stop and not self._want_logprobs
+        if request is None or self._closed or self._done or not fits:
             return False
         self._sink = sink
         request.fast_lane = self._offer
@@ -868,8 +855,10 @@ class RequestStream:
         if request is not None:
             request.fast_lane = None
 
-    def _offer(self, message: _Token) -> _Taken:
-        """The engine offers a token message; :class:`_Taken` says what came of it."""
+    def _offer(self, message: _Token) -> _Message | None:
+        """The engine offers a token message: ``None`` if the lane took it and everything
+        it made, else what to send through the channel instead (the message itself,
+        untouched, or a wake for the events the lane left in :attr:`_ready`)."""
         sink = self._sink
         stats = self._receive.statistics()
         if (
@@ -879,7 +868,7 @@ class RequestStream:
             or stats.current_buffer_used
             or self._ready
         ):
-            return _Taken.NO
+            return message
         try:
             self._handle(message)
         except Exception as exc:  # in the consumer's task this would end its response
@@ -897,9 +886,9 @@ class RequestStream:
                 taken = False
             if not taken:
                 self.detach_fast_lane()
-                return _Taken.WAKE
+                return _WAKE
             self._ready.popleft()
-        return _Taken.ALL
+        return None
 
     def close(self) -> None:
         """Abort the request if unfinished, end its session turn, and stop listening.
