@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import openai
 import pytest
 
 from furnace_trio.app import create_app
@@ -43,6 +44,21 @@ def default_runner(kv_cache_mb: int = 64) -> ModelRunner:
 
 #: The name the real-model test servers give the default model.
 NAME = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+async def check_paris_streamed_and_not(client: openai.AsyncOpenAI, model: str) -> None:
+    """The greedy answer to :data:`QUESTION` names Paris, and streamed it reads the same."""
+    reply = await client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=40
+    )
+    text = reply.choices[0].message.content or ""
+    assert "Paris" in text
+    stream = await client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=40, stream=True
+    )
+    pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+    assert "".join(pieces) == text
 
 
 @asynccontextmanager

@@ -14,9 +14,7 @@ import trio
 
 from furnace_trio.engine import Engine
 
-from .real_model import NAME, serve_real
-
-QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+from .real_model import NAME, QUESTION, check_paris_streamed_and_not, serve_real
 
 
 async def _idle(engine: Engine) -> None:
@@ -139,13 +137,4 @@ async def test_int8_kv_cache_from_the_server_settings() -> None:
         assert float(total.split()[1]) == blocks
         assert blocks > 1.8 * (16 << 20) // KVCache.bytes_per_block(config, 16, torch.float16)
         name = (await client.models.list()).data[0].id
-        reply = await client.chat.completions.create(
-            model=name, messages=QUESTION, temperature=0, max_tokens=40
-        )
-        text = reply.choices[0].message.content or ""
-        assert "Paris" in text
-        stream = await client.chat.completions.create(
-            model=name, messages=QUESTION, temperature=0, max_tokens=40, stream=True
-        )
-        pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
-        assert "".join(pieces) == text
+        await check_paris_streamed_and_not(client, name)

@@ -17,7 +17,7 @@ from furnace_trio.plan import ChunkPlan, SampleSpec, StepPlan
 from furnace_trio.runner import ModelRunner, RunnerConfig
 
 from .http_server import serve_app
-from .real_model import NAME, default_model, default_runner
+from .real_model import NAME, QUESTION, check_paris_streamed_and_not, default_model, default_runner
 
 pytestmark = pytest.mark.gpu
 
@@ -31,9 +31,7 @@ def _cuda_runner(dtype: str) -> ModelRunner:
 
 def _prompt() -> tuple[int, ...]:
     tok = default_model().tokenizer
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-    )
+    text = tok.apply_chat_template(QUESTION)
     return tuple(tok.encode(text, add_special_tokens=False))
 
 
@@ -65,9 +63,6 @@ def test_cuda_bfloat16_greedy_answer_says_paris() -> None:
     assert "Paris" in tok.decode(out)
 
 
-QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-
-
 async def test_the_server_on_cuda_serves_the_sdk_as_users_run_it() -> None:
     """``FURNACE_DEVICE=cuda``: the app loads the default model onto the GPU itself (bfloat16,
     no quantization, the KV cache sized from the device's free memory) and serves chat,
@@ -77,16 +72,7 @@ async def test_the_server_on_cuda_serves_the_sdk_as_users_run_it() -> None:
         serve_app(create_app(ServerConfig(device="cuda"))) as url,
         openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client,
     ):
-        reply = await client.chat.completions.create(
-            model=NAME, messages=QUESTION, temperature=0, max_tokens=40
-        )
-        text = reply.choices[0].message.content or ""
-        assert "Paris" in text
-        stream = await client.chat.completions.create(
-            model=NAME, messages=QUESTION, temperature=0, max_tokens=40, stream=True
-        )
-        pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
-        assert "".join(pieces) == text
+        await check_paris_streamed_and_not(client, NAME)
 
         # Sized from the GPU's free memory, not the CPU default.
         async with httpx.AsyncClient() as http:
