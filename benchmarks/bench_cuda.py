@@ -24,14 +24,11 @@ import httpx
 import torch
 import trio
 from _common import PROMPTS, chat_ids, long_prompt_ids, machine, transformers_model
-from bench_engine import Result
+from bench_engine import Result, make_engine
 from bench_engine import closed_loop as engine_loop
 from bench_http import free_port, run, serve, wait_ready
 from bench_quality import greedy
 
-from furnace_trio.backend import engine_config
-from furnace_trio.config import ServerConfig
-from furnace_trio.engine import Engine
 from furnace_trio.loader import LoadedModel, load_model
 from furnace_trio.model_thread import ModelThread
 from furnace_trio.runner import ModelRunner, RunnerConfig
@@ -60,14 +57,7 @@ async def engine_figures(
     workloads: list[tuple[int, int]],
     max_tokens: int,
 ) -> tuple[list[Result], float]:
-    tok = loaded.tokenizer
-    engine = Engine(
-        runner,
-        decode=tok.decode,
-        eos_token_ids=tok.eos_token_ids,
-        config=engine_config(ServerConfig(), DEVICE),
-        model_thread=thread,
-    )
+    engine = make_engine(runner, thread, loaded, DEVICE)
     prompts = [chat_ids(loaded, p) for p in PROMPTS]
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)

@@ -102,15 +102,17 @@ def load_on_thread(quant: str) -> tuple[ModelThread, LoadedModel, ModelRunner]:
     return thread, loaded, thread.call(ModelRunner.from_loaded, loaded, runtime_config(quant))
 
 
-def make_engine(runner: ModelRunner, thread: ModelThread, loaded: LoadedModel) -> Engine:
-    """An engine as the server builds one on the CPU: the server's default settings (not
-    :class:`EngineConfig`'s own), every step on ``thread``."""
+def make_engine(
+    runner: ModelRunner, thread: ModelThread, loaded: LoadedModel, device: str = "cpu"
+) -> Engine:
+    """An engine as the server builds one on ``device``: the server's default settings
+    (not :class:`EngineConfig`'s own), every step on ``thread``."""
     tok = loaded.tokenizer
     return Engine(
         runner,
         decode=tok.decode,
         eos_token_ids=tok.eos_token_ids,
-        config=engine_config(ServerConfig(), "cpu"),
+        config=engine_config(ServerConfig(), device),
         model_thread=thread,
     )
 

@@ -217,9 +217,6 @@ def main() -> None:
         thread, loaded, runner = load_on_thread(args.quant)
         prompts = [chat_ids(loaded, p) for p in PROMPTS]
 
-        def http(server: Server, client: str, streams: int) -> tuple[int, float, float, float]:
-            return over_http(server.port, client, streams, args.requests)
-
         def over_http(
             port: int, client: str, streams: int, requests: int, max_tokens: int = args.max_tokens
         ) -> tuple[int, float, float, float]:
@@ -273,7 +270,7 @@ def main() -> None:
                 await engine_loop(engine, prompts, 1, 1, 4)  # warm-up
                 await trio.to_thread.run_sync(over_http, port, lean, 1, 1, 4)
                 for _, server, client in http_sides:
-                    http(server, client, 1)  # warm-up (blocks: nothing else runs)
+                    over_http(server.port, client, 1, args.requests)  # warm-up (blocks)
                 for k in range(args.rounds):
                     order = list(range(len(sides)))
                     order = order[k % len(order) :] + order[: k % len(order)]
@@ -290,7 +287,9 @@ def main() -> None:
                             r = measured(
                                 server.worker,
                                 server.worker,
-                                lambda s=server, c=client: http(s, c, args.streams),
+                                lambda s=server, c=client: over_http(
+                                    s.port, c, args.streams, args.requests
+                                ),
                             )
                         sides[i].rounds.append(r)
                 nursery.cancel_scope.cancel()

@@ -5,7 +5,7 @@ Timing is never asserted: steps are counted through the plans the runner recorde
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -60,7 +60,9 @@ async def collect(stream: RequestStream) -> Outcome:
 
 @asynccontextmanager
 async def serving(
-    runner: ScriptedRunner, config: EngineConfig | None = None
+    runner: ScriptedRunner,
+    config: EngineConfig | None = None,
+    decode: Callable[[list[int]], str] = decode,
 ) -> AsyncIterator[Engine]:
     engine = Engine(
         runner,
@@ -705,15 +707,7 @@ async def test_a_token_that_breaks_the_detokenizer_in_the_fast_lane_fails_only_i
         return decode(ids)
 
     runner = ScriptedRunner({encode("hi"): encode("abcdXfghijkl"), encode("ok"): encode("fine")})
-    engine = Engine(
-        runner,
-        decode=fragile_decode,
-        eos_token_ids=frozenset({EOS}),
-        token_bytes=token_bytes,
-        config=EngineConfig(),
-    )
-    async with trio.open_nursery() as nursery:
-        await nursery.start(engine.run)
+    async with serving(runner, decode=fragile_decode) as engine:
         order, out, attached = await _with_fast_lane(engine, request("hi", max_tokens=12))
         assert attached
         assert isinstance(out.events[-1], Failed)
@@ -726,4 +720,3 @@ async def test_a_token_that_breaks_the_detokenizer_in_the_fast_lane_fails_only_i
                 break
             await trio.sleep(0.01)
         assert engine.statistics().running == 0
-        nursery.cancel_scope.cancel()
