@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from furnace_trio import config as server_config
 from furnace_trio.hf_loader import load_hf_directory
+from furnace_trio.model import RMSNorm
 from furnace_trio.native import quantize_kv_rows
 from furnace_trio.params import SamplingParams
 from furnace_trio.plan import ChunkPlan, SampleSpec, StepPlan
@@ -504,3 +505,18 @@ def test_the_torch_path_keeps_every_tensor_on_the_device_and_never_syncs(
     assert runner.logits(mixed).shape == (4, vocab)
     decodes = StepPlan(tuple(ChunkPlan(s, (s,), 11 + s, _table(16 * s)) for s in range(3)))
     assert runner.logits(decodes).shape == (3, vocab)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_is_the_float32_formula_rounded_once_to_its_dtype(dtype: torch.dtype) -> None:
+    """``x * rsqrt(mean(x^2) + eps) * w`` in float32, whatever the input dtype, then
+    rounded to it: within one rounding (half a unit in the last place) of the exact value."""
+    torch.manual_seed(0)
+    x = (torch.randn(5, 64) * 3).to(dtype)
+    w = (torch.rand(64) + 0.5).to(dtype)
+    out = RMSNorm(w, 1e-5)(x)
+    h = x.double()
+    exact = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    assert out.dtype == dtype
+    half_ulp = torch.finfo(dtype).eps / 2
+    torch.testing.assert_close(out.double(), exact, rtol=max(half_ulp, 1e-6), atol=0)

@@ -225,7 +225,14 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as Hugging Face's Llama does."""
+    """Root-mean-square norm, ``x * rsqrt(mean(x^2) + eps) * w``, computed in float32.
+
+    One op (``F.rms_norm``) instead of five in float32 and eight in float16 or bfloat16,
+    where torch upcasts internally: on a GPU, where a decode step's time is the number of
+    ops it launches, the two norms were a quarter of a layer's ops. In half precision the
+    result is rounded once, after the weight, where Hugging Face's Llama rounds before
+    it: the two differ by at most one unit in the last place.
+    """
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
@@ -233,12 +240,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            # One fused op instead of five (same math: ``x * rsqrt(mean(x^2) + eps) * w``).
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
