@@ -11,7 +11,10 @@ much as the whole HTTP side costs; the same-process side has none of that. Each 
 every side, one side at a time (the others' threads sleep), in an order that rotates from
 round to round, so every side sees the same moments of this machine's memory bandwidth,
 which drifts by tens of percent within a minute. A side's speed is compared with the
-engine's in the same round; the table gives the median and the quartiles of those ratios.
+engine's in the same round; the table gives the median and the quartiles of those ratios,
+and a 95% interval for that median (bootstrap over the rounds): where the interval's low
+end is above 0.95, the run says the side costs under 5% of the engine's speed, beyond its
+own noise.
 
 HTTP clients (``--client``, default ``raw,httpx``): ``raw`` (a blocking socket, HTTP/1.1 by
 hand, SSE events counted per read: what the server costs, with as little Python client as
@@ -36,6 +39,7 @@ import argparse
 import asyncio
 import math
 import os
+import random
 import statistics
 import subprocess
 import threading
@@ -117,6 +121,16 @@ def httpx_requests(
     return out[0]
 
 
+def median_interval(values: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of ``values`` (a fixed seed: the same rounds
+    give the same interval)."""
+    rng = random.Random(0)
+    medians = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
+    )
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def quartiles(values: list[float]) -> tuple[float, float, float]:
     q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
     return q[0], statistics.median(values), q[2]
@@ -126,16 +140,22 @@ def report(sides: list[Side], args: argparse.Namespace) -> None:
     print(
         f"\n{args.streams} stream(s), {args.quant}, max_tokens={args.max_tokens}, {args.rounds} rounds x "
         f"{args.requests} request(s) per stream per side; medians over rounds; '/ engine': each round's "
-        "tok/s over the engine's in the same round, median [quartiles]; CPU in ms per token\n"
+        "tok/s over the engine's in the same round, median [quartiles], and the median's 95% "
+        "interval (bootstrap); CPU in ms per token\n"
     )
-    print("| side | tok/s | ITL p50 ms | / engine | Trio thread | model threads | client |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| side | tok/s | ITL p50 ms | / engine | median's 95% interval | Trio thread "
+        "| model threads | client |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     engine = sides[0].rounds
     e_itl = statistics.median(r.itl_p50 for r in engine)
     for side in sides:
         rs = side.rounds
         itl = statistics.median(r.itl_p50 for r in rs)
-        lo, mid, hi = quartiles([r.tok_s / e.tok_s for r, e in zip(rs, engine, strict=True)])
+        ratios = [r.tok_s / e.tok_s for r, e in zip(rs, engine, strict=True)]
+        lo, mid, hi = quartiles(ratios)
+        ci_lo, ci_hi = median_interval(ratios)
         extra = "" if side is sides[0] else f" (+{(itl - e_itl) * 1e3:.2f})"
         itl_cell = "n/a" if math.isnan(itl) else f"{itl * 1e3:.2f}{extra}"  # curl: no ITL
 
@@ -145,7 +165,7 @@ def report(sides: list[Side], args: argparse.Namespace) -> None:
         client = "" if side is sides[0] else per_token(lambda r: r.client_cpu)
         print(
             f"| {side.name} | {statistics.median(r.tok_s for r in rs):.1f} | "
-            f"{itl_cell} | {mid:.3f} [{lo:.3f}, {hi:.3f}] | "
+            f"{itl_cell} | {mid:.3f} [{lo:.3f}, {hi:.3f}] | [{ci_lo:.3f}, {ci_hi:.3f}] | "
             f"{per_token(lambda r: r.trio_cpu)} | {per_token(lambda r: r.model_cpu)} | {client} |"
         )
 
