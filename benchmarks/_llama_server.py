@@ -7,10 +7,12 @@ into ``build/llama.cpp-<version>/`` of this repository (ignored by git); a secon
 finds it there. On 2 cores the build takes about 17 minutes.
 
 The instruction sets are this CPU's (``/proc/cpuinfo``), named one by one rather than with
-``-march=native``, so that AMX can be left out: the sandbox these figures come from lists
-AMX in its CPU flags, but an AMX instruction there is an illegal instruction (ggml's AMX
-matmul crashed llama-server in its warm-up). Neither furnace-trio's kernels nor this build
-use AMX; on a machine where it works, ``LLAMA_AMX=1`` builds llama.cpp with it.
+``-march=native``, so that AMX can be left out: on the sandbox these figures come from,
+ggml's AMX matmul crashed llama-server in its warm-up with an illegal instruction. AMX
+itself works there (a small tile program that asks Linux for the tile state first runs,
+and is 4x a VNNI loop; see docs/benchmarks.md, thirteenth session), so the crash is
+ggml's, and was not looked into. Neither furnace-trio's kernels nor this build use AMX;
+``LLAMA_AMX=1`` builds llama.cpp with it.
 
 Order: an explicit path, ``$LLAMA_SERVER``, ``llama-server`` on ``PATH``, a finished build,
 a new build. ``isa="avx2"`` builds without AVX-512 and AVX-VNNI, into ``build-avx2``.
