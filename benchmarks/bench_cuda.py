@@ -23,9 +23,8 @@ from typing import Any
 import httpx
 import torch
 import trio
-from _common import PROMPTS, chat_ids, long_prompt_ids, machine, transformers_model
-from bench_engine import Result, make_engine
-from bench_engine import closed_loop as engine_loop
+from _common import PROMPTS, chat_ids, machine, transformers_model
+from bench_engine import pad_id, padded_batch, run_engine
 from bench_http import free_port, run, serve, wait_ready
 from bench_quality import greedy
 
@@ -50,41 +49,15 @@ def cuda_runner(loaded: LoadedModel, dtype: str, kv_gb: int = 8) -> ModelRunner:
     )
 
 
-async def engine_figures(
-    loaded: LoadedModel,
-    thread: ModelThread,
-    runner: ModelRunner,
-    workloads: list[tuple[int, int]],
-    max_tokens: int,
-) -> tuple[list[Result], float]:
-    engine = make_engine(runner, thread, loaded, DEVICE)
-    prompts = [chat_ids(loaded, p) for p in PROMPTS]
-    async with trio.open_nursery() as nursery:
-        await nursery.start(engine.run)
-        await engine_loop(engine, prompts, 4, 1, 8)  # warm-up (kernel selection)
-        results = [await engine_loop(engine, prompts, s, r, max_tokens) for s, r in workloads]
-        long = long_prompt_ids(loaded)
-        prefill = await engine_loop(engine, [long], 1, 1, 1)
-        engine.shutdown()
-        nursery.cancel_scope.cancel()
-    return results, len(long) / prefill.ttft[0]
-
-
 def transformers_figures(
     loaded: LoadedModel, dtype: torch.dtype, batches: list[int], max_tokens: int
 ) -> dict[int, float]:
     model = transformers_model(loaded).to(DEVICE, dtype)
-    prompts = [chat_ids(loaded, p) for p in PROMPTS]
-    pad = min(loaded.tokenizer.eos_token_ids or (0,))
+    pad = pad_id(loaded)
     figures: dict[int, float] = {}
     with torch.inference_mode():
         for batch in batches:
-            rows = [prompts[i % len(prompts)] for i in range(batch)]
-            width = max(len(r) for r in rows)
-            ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=DEVICE)
-            mask = torch.tensor(
-                [[0] * (width - len(r)) + [1] * len(r) for r in rows], device=DEVICE
-            )
+            ids, mask, width = padded_batch(loaded, batch, DEVICE)
             kwargs = {"do_sample": False, "pad_token_id": pad, "attention_mask": mask}
             model.generate(ids, max_new_tokens=4, **kwargs)  # warm-up
             sync()
@@ -134,7 +107,7 @@ def main() -> None:
     thread = ModelThread()
     loaded = thread.call(load_model, None)
     runner = thread.call(cuda_runner, loaded, args.dtype)
-    ours, prefill = trio.run(engine_figures, loaded, thread, runner, workloads, args.max_tokens)
+    ours, prefill = trio.run(run_engine, runner, thread, loaded, workloads, args.max_tokens, DEVICE)
     thread.close()
     del runner
     if DEVICE == "cuda":

@@ -123,13 +123,17 @@ async def run_engine(
     loaded: LoadedModel,
     workloads: list[tuple[int, int]],
     max_tokens: int,
+    device: str = "cpu",
 ) -> tuple[list[Result], float]:
+    """Closed loops of ``workloads`` ((streams, requests per stream) each) and the
+    1,000-token prompt's prefill (tok/s), on an engine as the server builds one on
+    ``device``."""
     prompts = [chat_ids(loaded, p) for p in PROMPTS]
-    engine = make_engine(runner, thread, loaded)
+    engine = make_engine(runner, thread, loaded, device)
     results = []
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
-        await closed_loop(engine, prompts, 1, 1, 4)  # warm-up
+        await closed_loop(engine, prompts, 4, 1, 4)  # warm-up (a batch, too)
         for streams, rounds in workloads:
             results.append(await closed_loop(engine, prompts, streams, rounds, max_tokens))
         long = long_prompt_ids(loaded)
@@ -139,17 +143,31 @@ async def run_engine(
     return results, len(long) / prefill.ttft[0]
 
 
+def padded_batch(
+    loaded: LoadedModel, batch: int, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``batch`` of the chat prompts (cycled), left-padded for transformers ``generate``:
+    ids, attention mask, and the padded width; the pad id is the smallest EOS id."""
+    prompts = [chat_ids(loaded, p) for p in PROMPTS]
+    rows = [prompts[i % len(prompts)] for i in range(batch)]
+    width = max(len(r) for r in rows)
+    pad = pad_id(loaded)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, mask, width
+
+
+def pad_id(loaded: LoadedModel) -> int:
+    return min(loaded.tokenizer.eos_token_ids or (0,))
+
+
 def transformers_figures(loaded: LoadedModel, max_tokens: int) -> dict[str, float]:
     model = transformers_model(loaded)
-    prompts = [chat_ids(loaded, p) for p in PROMPTS]
-    pad = (loaded.tokenizer.eos_token_ids and min(loaded.tokenizer.eos_token_ids)) or 0
+    pad = pad_id(loaded)
     figures: dict[str, float] = {}
     with torch.inference_mode():
         for batch in (1, 16):
-            rows = [prompts[i % len(prompts)] for i in range(batch)]
-            width = max(len(r) for r in rows)
-            ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-            mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+            ids, mask, width = padded_batch(loaded, batch)
             model.generate(ids[:, -8:], attention_mask=mask[:, -8:], max_new_tokens=2)
             start = time.perf_counter()
             out = model.generate(
