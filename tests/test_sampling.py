@@ -8,7 +8,7 @@ import torch
 from furnace_trio import native
 from furnace_trio.params import SamplingParams
 from furnace_trio.plan import SampleSpec
-from furnace_trio.sampling import GeneratorStore, sample
+from furnace_trio.sampling import GeneratorStore, _draw, _process, sample
 
 VOCAB = 50
 
@@ -186,8 +186,6 @@ def test_sampling_keeps_its_tensors_on_the_logits_device() -> None:
     """The CUDA path, checked without a GPU: on the ``meta`` device an op given a CPU tensor
     raises, so penalties, bias, top-k/top-p/min-p and the draw, everything before the one
     read of the chosen ids, run on the device of the logits."""
-    from furnace_trio.sampling import _draw, _process
-
     params = SamplingParams(
         temperature=0.8,
         top_k=5,
