@@ -11,6 +11,7 @@ import trio
 from furnace_trio.app import create_app
 from furnace_trio.backend import DEFAULT_KV_CACHE_MB_CPU
 from furnace_trio.config import ServerConfig
+from furnace_trio.cuda_graphs import DecodeGraphs
 from furnace_trio.model import KVCache
 from furnace_trio.params import SamplingParams
 from furnace_trio.plan import ChunkPlan, SampleSpec, StepPlan
@@ -61,6 +62,49 @@ def test_cuda_bfloat16_greedy_answer_says_paris() -> None:
             1, (sampled.token_id,), len(ids) + len(out) - 1, table, (SampleSpec(1, greedy),)
         )
     assert "Paris" in tok.decode(out)
+    # The decodes were graph replays (a runner on CUDA captures them by default).
+    assert runner.graphs is not None and runner.graphs.captured == ((1, 256),)
+
+
+def test_cuda_graph_replays_compute_the_eager_padded_step() -> None:
+    """A captured decode step gives what the same padded step gives launched op by op:
+    3 sequences (a batch of 4 with one padding row), 24 steps, tokens fed back."""
+    ids = _prompt()
+    captured, eager = _cuda_runner("bfloat16"), _cuda_runner("bfloat16")
+    eager.graphs = DecodeGraphs(
+        eager.model,
+        eager.cache,
+        max_context=eager.max_context,
+        scratch_block=eager.num_blocks,
+        capture=False,
+    )
+    prompts = [ids, ids[:9], ids[5:]]
+    tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(3)]
+    last = []
+    for runner in (captured, eager):
+        for seq, (prompt, table) in enumerate(zip(prompts, tables, strict=True)):
+            logits = runner.logits(StepPlan((ChunkPlan(seq, prompt, 0, table),)))
+            if runner is captured:
+                last.append(int(logits[0].argmax()))
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    worst = 0.0
+    for step in range(24):
+        plan = StepPlan(
+            tuple(
+                ChunkPlan(
+                    s, (last[s],), len(prompts[s]) + step, tables[s], (SampleSpec(s, greedy),)
+                )
+                for s in range(3)
+            )
+        )
+        assert captured.graphs is not None
+        got = captured.graphs.run(plan).clone()
+        want = eager.graphs.run(plan)
+        worst = max(worst, float((got - want).abs().max()))
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        last = got.argmax(-1).tolist()
+    assert worst <= 1e-3, worst
+    assert captured.graphs is not None and captured.graphs.captured == ((4, 256),)
 
 
 async def test_the_server_on_cuda_serves_the_sdk_as_users_run_it() -> None:

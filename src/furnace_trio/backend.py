@@ -57,8 +57,9 @@ def _kv_cache_bytes(config: ServerConfig, device_type: str) -> int:
     return DEFAULT_KV_CACHE_MB_CPU << 20
 
 
-def _warm_up(runner: ModelRunner) -> None:
-    """Run one small prefill and decode before serving.
+def warm_up(runner: ModelRunner, max_running: int) -> None:
+    """Run one small prefill and decode before serving, and on a GPU capture the decode
+    graphs of every batch size up to ``max_running`` (at the narrowest context width).
 
     The first calls of a fresh process pay for lazy kernel selection and thread-pool start;
     without this the first client's time to first token is several times the usual. The
@@ -67,6 +68,7 @@ def _warm_up(runner: ModelRunner) -> None:
     table = tuple(range(min(runner.num_blocks, -(-9 // runner.block_size))))
     runner.logits(StepPlan((ChunkPlan(0, (0,) * 8, 0, table),)))
     runner.logits(StepPlan((ChunkPlan(0, (0,), 8, table),)))
+    runner.capture_graphs(max_running)
 
 
 def engine_config(config: ServerConfig, device_type: str) -> EngineConfig:
@@ -99,12 +101,13 @@ def load_backend(config: ServerConfig) -> Backend:
         kv_dtype=config.kv_cache_dtype,
         max_context=config.max_context,
         quantization=config.quantization,
+        cuda_graphs=None if config.cuda_graphs else False,
     )
 
     def build() -> tuple[LoadedModel, ModelRunner]:
         loaded = load_model(config.model)
         runner = ModelRunner.from_loaded(loaded, settings)
-        _warm_up(runner)
+        warm_up(runner, engine_config(config, device.type).max_running)
         return loaded, runner
 
     # Loading, warm-up and every step on one thread: see model_thread.py.

@@ -65,6 +65,8 @@ class ServerConfig:
     # A plain stream's deltas written by the engine's task as each step ends (needs
     # direct_send; see RequestStream.attach_fast_lane).
     fast_lane: bool = True
+    # All-decode steps on a GPU replayed from CUDA graphs (see furnace_trio.cuda_graphs).
+    cuda_graphs: bool = True
     drain_timeout_s: float = 30.0
     exit_on_engine_failure: bool = False
 
@@ -176,6 +178,7 @@ class ServerConfig:
             stream_interval=stream_interval or defaults.stream_interval,
             direct_send=_flag(environ, "FURNACE_DIRECT_SEND", defaults.direct_send),
             fast_lane=_flag(environ, "FURNACE_FAST_LANE", defaults.fast_lane),
+            cuda_graphs=_flag(environ, "FURNACE_CUDA_GRAPHS", defaults.cuda_graphs),
             drain_timeout_s=_positive_float(
                 environ, "FURNACE_DRAIN_TIMEOUT_S", defaults.drain_timeout_s, allow_zero=True
             ),

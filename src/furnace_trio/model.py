@@ -633,6 +633,11 @@ class Transformer(nn.Module):
         kernels.add_rmsnorm(picked, None, self.norm.weight, self.config.rms_norm_eps, normed)
         return self.lm_head(normed).float()
 
+    def reserve_rotary(self, end: int) -> None:
+        """Grow the rotary table to hold every position below ``end`` now, so that no later
+        step replaces it (a CUDA graph keeps the table's address)."""
+        self._rotary(torch.zeros(1, dtype=torch.int64, device=self.inv_freq.device), end)
+
     def _rotary(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and ``sin`` ``[T, head_dim]`` at ``positions`` (all below ``end``), the sign
         of rotate_half folded into ``sin``.

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import native
+from .cuda_graphs import DecodeGraphs
 from .loader import LoadedModel
 from .model import KVCache, Linear, StepInputs, Transformer
 from .model_config import ModelConfig
@@ -89,6 +90,10 @@ class RunnerConfig:
     # build_inputs); None: SPLIT_CHUNKS_UPTO where the native kernels run the model, else 0
     # (0: every chunk of two or more tokens takes the chunk path).
     split_chunks_upto: int | None = None
+    # All-decode steps replayed from CUDA graphs (see furnace_trio.cuda_graphs). None: on a
+    # CUDA device. True on the CPU runs the same padded static-buffer step eagerly (what the
+    # tests check without a GPU); the native CPU kernels never take it.
+    cuda_graphs: bool | None = None
 
 
 class ModelRunner:
@@ -145,15 +150,30 @@ class ModelRunner:
             self.kv_dtype = torch.float16 if half_kv else self.dtype
         per_block = KVCache.bytes_per_block(config, settings.block_size, self.kv_dtype)
         num_blocks = max(1, settings.kv_cache_bytes // per_block)
+        graphs = settings.cuda_graphs
+        if graphs is None:
+            graphs = self.device.type == "cuda"
+        graphs = graphs and kernels is None
+        # With graphs, one block more than the engine gets: the padding rows' scratch block.
+        self._num_blocks = num_blocks
         self.cache = KVCache(
             config,
-            num_blocks=num_blocks,
+            num_blocks=num_blocks + (1 if graphs else 0),
             block_size=settings.block_size,
             dtype=self.kv_dtype,
             device=self.device,
         )
         limit = config.max_position_embeddings
         self._max_context = min(settings.max_context or limit, limit)
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.cache,
+                max_context=self._max_context,
+                scratch_block=num_blocks,
+                capture=self.device.type == "cuda",
+            )
         self.generators = GeneratorStore(self.device)
         logger.info(
             "runner: %s on %s/%s (%s), %d KV blocks of %d tokens (%s, %.0f MiB), context %d",
@@ -178,7 +198,8 @@ class ModelRunner:
 
     @property
     def num_blocks(self) -> int:
-        return self.cache.num_blocks
+        """The KV blocks the engine may hand out (without the graphs' scratch block)."""
+        return self._num_blocks
 
     @property
     def max_context(self) -> int:
@@ -194,7 +215,10 @@ class ModelRunner:
             self.cache.copy_blocks(plan.block_copies)
             if not plan.chunks:
                 return []
-            logits = self._forward(plan)
+            if self.graphs is not None and self.graphs.accepts(plan):
+                logits = self.graphs.run(plan)
+            else:
+                logits = self._forward(plan)
             specs: list[SampleSpec] = []
             rows: list[int] = []
             row = 0
@@ -209,6 +233,16 @@ class ModelRunner:
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             generators = [self.generators.get(s.seq_id, s.params.seed) for s in specs]
             return sample(logits, specs, generators, self._kernels)
+
+    def capture_graphs(self, most: int) -> None:
+        """With decode graphs: capture every batch size up to ``most`` sequences now (see
+        :meth:`DecodeGraphs.warm_up`); without, nothing."""
+        if self.graphs is None:
+            return
+        with torch.inference_mode():
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            self.graphs.warm_up(most)
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """Next-token logits after every chunk of ``plan``, no sampling (tests, benchmarks)."""
