@@ -3,7 +3,8 @@
 - Engine level: the default model on ``cuda`` (``--dtype``, default bfloat16, no
   quantization), the server's CUDA engine defaults, closed loops of 1, 16 and 64 streams
   (greedy, ``ignore_eos``, ``--max-tokens``); TTFT, ITL and aggregate tok/s; prefill of a
-  1,000-token prompt. transformers ``generate`` on the same GPU, dtype and weights (one
+  1,000-token prompt. Twice: with the decode steps replayed from CUDA graphs (the default)
+  and with every op launched from Python, printed as a ratio. transformers ``generate`` on the same GPU, dtype and weights (one
   sequence, static batches of 16 and 64) in the same run, printed as ratios.
 - Over HTTP: ``hypercorn furnace_trio.app:app`` in a subprocess with ``FURNACE_DEVICE=cuda``
   (as users run it), streams from an httpx client at 1, 16 and 64.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import time
 from typing import Any
 
@@ -28,6 +30,8 @@ from bench_engine import pad_id, padded_batch, run_engine
 from bench_http import free_port, run, serve, wait_ready
 from bench_quality import greedy
 
+from furnace_trio.backend import engine_config
+from furnace_trio.config import ServerConfig
 from furnace_trio.loader import LoadedModel, load_model
 from furnace_trio.model_thread import ModelThread
 from furnace_trio.runner import ModelRunner, RunnerConfig
@@ -43,10 +47,16 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def cuda_runner(loaded: LoadedModel, dtype: str, kv_gb: int = 8) -> ModelRunner:
-    return ModelRunner.from_loaded(
-        loaded, RunnerConfig(device=DEVICE, dtype=dtype, kv_cache_bytes=kv_gb << 30)
+def cuda_runner(
+    loaded: LoadedModel, dtype: str, kv_gb: int = 8, graphs: bool | None = None
+) -> ModelRunner:
+    settings = RunnerConfig(
+        device=DEVICE, dtype=dtype, kv_cache_bytes=kv_gb << 30, cuda_graphs=graphs
     )
+    runner = ModelRunner.from_loaded(loaded, settings)
+    # As the server warms up: every batch size's decode graph captured before serving.
+    runner.capture_graphs(engine_config(ServerConfig(), DEVICE).max_running)
+    return runner
 
 
 def transformers_figures(
@@ -104,14 +114,21 @@ def main() -> None:
     steps = 4 if args.quick else 32
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "no GPU"
     print(f"machine: {machine()}, {gpu}")
-    thread = ModelThread()
-    loaded = thread.call(load_model, None)
-    runner = thread.call(cuda_runner, loaded, args.dtype)
-    ours, prefill = trio.run(run_engine, runner, thread, loaded, workloads, args.max_tokens, DEVICE)
-    thread.close()
-    del runner
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
+    loaded = load_model(None)
+    runs = {}
+    for graphs in (True, False):  # the default (graphs on a GPU), then every op launched
+        thread = ModelThread()  # the engine closes it when it stops
+        kv_gb = 8 if DEVICE == "cuda" else 1
+        runner = thread.call(cuda_runner, loaded, args.dtype, kv_gb, graphs)
+        runs[graphs] = trio.run(
+            run_engine, runner, thread, loaded, workloads, args.max_tokens, DEVICE
+        )
+        del runner
+        gc.collect()  # the engine's reference cycles hold the runner's KV cache
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    ours, prefill = runs[True]
+    eager = runs[False][0]
     batches = [s for s, _ in workloads]
     ref = transformers_figures(loaded, getattr(torch, args.dtype), batches, args.max_tokens)
     over_http = http_figures(workloads, args.max_tokens)
@@ -121,14 +138,20 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in ours:
         print(r.row("engine"))
+    for r in eager:
+        print(r.row("engine, no CUDA graphs"))
     for r in over_http:
         print(r.row("HTTP (hypercorn subprocess)"))
-    print("\n| streams | transformers generate tok/s | engine / transformers | HTTP / engine |")
-    print("| --- | --- | --- | --- |")
-    for mine, http in zip(ours, over_http, strict=True):
+    print(
+        "\n| streams | transformers generate tok/s | engine / transformers | HTTP / engine "
+        "| graphs / no graphs (engine) |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    for mine, http, plain in zip(ours, over_http, eager, strict=True):
         t = ref[mine.streams]
         print(
-            f"| {mine.streams} | {t:.0f} | {mine.tok_s / t:.2f}x | {http.tok_s / mine.tok_s:.3f} |"
+            f"| {mine.streams} | {t:.0f} | {mine.tok_s / t:.2f}x | {http.tok_s / mine.tok_s:.3f} "
+            f"| {mine.tok_s / plain.tok_s:.2f}x |"
         )
     print(f"\nprefill, 1,000-token prompt: {prefill:.0f} tok/s")
     for dtype in ("bfloat16", "float32"):
