@@ -9,6 +9,7 @@ GIL) the client must not share.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -115,12 +116,14 @@ def fetch(port: int, request: bytes) -> tuple[str, int]:
 class ClientProcess:
     """This module in a process of its own; its methods block until the answer comes."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpus: set[int] | None = None) -> None:
+        """``cpus``: the CPUs the client may run on (default: this process's)."""
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
         )
 
     def _call(self, command: list[object]) -> Any:

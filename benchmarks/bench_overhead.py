@@ -218,6 +218,13 @@ def main() -> None:
         help="a second server with this extra environment, measured with the raw client "
         "(an A/B of a server setting in the same run)",
     )
+    parser.add_argument(
+        "--client-cpus",
+        metavar="N,...",
+        help="run the raw client on these CPUs only (start this script under taskset to "
+        "keep the servers and the model off them): whether the HTTP side's cost is the "
+        "client sharing the model's cores",
+    )
     args = parser.parse_args()
     print(f"machine: {machine()}")
     clients = ["raw", "httpx"] if args.client == "both" else args.client.split(",")
@@ -227,7 +234,12 @@ def main() -> None:
     # would share this process's interpreter with the server).
     lean = next((c for c in clients if c != "httpx"), "raw")
     servers: list[Server] = []
-    client_process = ClientProcess()
+    cpus = None if args.client_cpus is None else {int(c) for c in args.client_cpus.split(",")}
+    client_process = ClientProcess(cpus)
+    mine = sorted(os.sched_getaffinity(0))
+    print(
+        f"CPUs: this process {mine}, the raw client {'the same' if cpus is None else sorted(cpus)}"
+    )
     try:
         servers.append(start_server("", args.quant, {}))
         if args.also_env:
