@@ -3,8 +3,10 @@
 - Engine level: the default model on ``cuda`` (``--dtype``, default bfloat16, no
   quantization), the server's CUDA engine defaults, closed loops of 1, 16 and 64 streams
   (greedy, ``ignore_eos``, ``--max-tokens``); TTFT, ITL and aggregate tok/s; prefill of a
-  1,000-token prompt. Twice: with the decode steps replayed from CUDA graphs (the default)
-  and with every op launched from Python, printed as a ratio. transformers ``generate`` on the same GPU, dtype and weights (one
+  1,000-token prompt. Twice, after an untimed pass that takes the process's first-use
+  costs: with the decode steps replayed from CUDA graphs (the default) and with every op
+  launched from Python, printed as a ratio; each model step timed by kind (graph replay,
+  other decode, with a prefill chunk), and each request's time to first token at 1 stream. transformers ``generate`` on the same GPU, dtype and weights (one
   sequence, static batches of 16 and 64) in the same run, printed as ratios.
 - Over HTTP: ``hypercorn furnace_trio.app:app`` in a subprocess with ``FURNACE_DEVICE=cuda``
   (as users run it), streams from an httpx client at 1, 16 and 64.
@@ -25,7 +27,7 @@ from typing import Any
 import httpx
 import torch
 import trio
-from _common import PROMPTS, chat_ids, machine, transformers_model
+from _common import PROMPTS, chat_ids, machine, pct, transformers_model
 from bench_engine import pad_id, padded_batch, run_engine
 from bench_http import free_port, run, serve, wait_ready
 from bench_quality import greedy
@@ -34,6 +36,7 @@ from furnace_trio.backend import engine_config
 from furnace_trio.config import ServerConfig
 from furnace_trio.loader import LoadedModel, load_model
 from furnace_trio.model_thread import ModelThread
+from furnace_trio.plan import SampledToken, StepPlan
 from furnace_trio.runner import ModelRunner, RunnerConfig
 
 WORKLOADS = [(1, 3), (16, 3), (64, 2)]  # (streams, requests per stream)
@@ -93,6 +96,40 @@ def http_figures(workloads: list[tuple[int, int]], max_tokens: int) -> list[Any]
         proc.wait(timeout=30)
 
 
+class StepTrace:
+    """Every step of ``runner`` timed (the device synchronized after it), by kind: decode
+    graph replays, other all-decode steps, steps with a prefill chunk."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.times: dict[str, list[float]] = {"graph": [], "decode": [], "prefill": []}
+        step = runner.step
+
+        def timed(plan: StepPlan) -> list[SampledToken]:
+            start = time.perf_counter()
+            out = step(plan)
+            sync()
+            if runner.graphs is not None and runner.graphs.accepts(plan):
+                kind = "graph"
+            elif all(len(c.token_ids) == 1 for c in plan.chunks):
+                kind = "decode"
+            else:
+                kind = "prefill"
+            self.times[kind].append(time.perf_counter() - start)
+            return out
+
+        runner.step = timed  # type: ignore[method-assign]
+
+    def summary(self) -> str:
+        parts = []
+        for kind, times in self.times.items():
+            if times:
+                ms = [t * 1e3 for t in times]
+                parts.append(
+                    f"{kind} {len(ms)} steps, p50 {pct(ms, 50):.1f} p95 {pct(ms, 95):.1f} ms"
+                )
+        return "; ".join(parts)
+
+
 def invariance(loaded: LoadedModel, dtype: str, steps: int) -> int:
     runner = cuda_runner(loaded, dtype, kv_gb=1)
     prompts = [chat_ids(loaded, p) for p in PROMPTS]
@@ -116,14 +153,19 @@ def main() -> None:
     print(f"machine: {machine()}, {gpu}")
     loaded = load_model(None)
     runs = {}
-    for graphs in (True, False):  # the default (graphs on a GPU), then every op launched
+    traces = {}
+    # An untimed pass first, so that neither measured engine pays the process's first-use
+    # costs; then the default (graphs on a GPU), then every op launched.
+    for graphs in (None, True, False):
         thread = ModelThread()  # the engine closes it when it stops
         kv_gb = 8 if DEVICE == "cuda" else 1
-        runner = thread.call(cuda_runner, loaded, args.dtype, kv_gb, graphs)
-        runs[graphs] = trio.run(
-            run_engine, runner, thread, loaded, workloads, args.max_tokens, DEVICE
-        )
-        del runner
+        runner = thread.call(cuda_runner, loaded, args.dtype, kv_gb, bool(graphs))
+        trace = StepTrace(runner)
+        loads = QUICK if graphs is None else workloads
+        results = trio.run(run_engine, runner, thread, loaded, loads, args.max_tokens, DEVICE)
+        if graphs is not None:
+            runs[graphs], traces[graphs] = results, trace
+        del runner, trace
         gc.collect()  # the engine's reference cycles hold the runner's KV cache
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
@@ -140,6 +182,10 @@ def main() -> None:
         print(r.row("engine"))
     for r in eager:
         print(r.row("engine, no CUDA graphs"))
+    for graphs, trace in traces.items():
+        print(f"engine {'with' if graphs else 'without'} graphs, model steps: {trace.summary()}")
+    for r in (ours[0], eager[0]):
+        print(f"TTFT of each request at 1 stream, ms: {sorted(round(t * 1e3) for t in r.ttft)}")
     for r in over_http:
         print(r.row("HTTP (hypercorn subprocess)"))
     print(

@@ -229,9 +229,9 @@ class DecodeGraphs:
         """Capture ``step`` into a CUDA graph (after one warm-up run on a side stream, as
         torch asks); the replay returns the tensor the captured step produced.
 
-        ``capture_begin``/``capture_end`` rather than ``torch.cuda.graph``, which runs
-        ``gc.collect()`` and empties the allocator's cache at every capture: in a serving
-        process a full collection alone takes tens of milliseconds.
+        ``capture_begin``/``capture_end`` rather than ``torch.cuda.graph``, which runs a full
+        ``gc.collect()`` and empties the allocator's cache at every capture; neither is
+        needed here, and a capture during serving would pay for both.
         """
         main = torch.cuda.current_stream(self._device)
         side = torch.cuda.Stream(self._device)
