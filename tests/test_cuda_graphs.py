@@ -28,7 +28,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 PROMPTS = (10, 70, 33)
 
 
-def _runner(path: Path, graphs: bool | None, dtype: str = "float32") -> ModelRunner:
+def _runner(
+    path: Path, graphs: bool | None, dtype: str = "float32", kv_dtype: str = "auto"
+) -> ModelRunner:
     config, weights = load_hf_directory(path)
     settings = RunnerConfig(
         device="cpu",
@@ -36,6 +38,7 @@ def _runner(path: Path, graphs: bool | None, dtype: str = "float32") -> ModelRun
         kv_cache_bytes=1 << 20,
         block_size=BLOCK,
         native=False,
+        kv_dtype=kv_dtype,
         cuda_graphs=graphs,
     )
     return ModelRunner(config, weights, settings)
@@ -50,9 +53,11 @@ def _tables() -> list[tuple[int, ...]]:
     return [tuple(range(32 * i, 32 * i + 32)) for i in range(len(PROMPTS))]
 
 
-def _prefilled(path: Path, graphs: bool) -> tuple[ModelRunner, list[list[int]]]:
+def _prefilled(
+    path: Path, graphs: bool, kv_dtype: str = "auto"
+) -> tuple[ModelRunner, list[list[int]]]:
     """A runner with every prompt of PROMPTS in its cache, and the prompts' tokens."""
-    runner = _runner(path, graphs)
+    runner = _runner(path, graphs, kv_dtype=kv_dtype)
     gen = torch.Generator().manual_seed(5)
     vocab = runner.config.vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPTS]
@@ -105,6 +110,24 @@ def test_graph_steps_match_the_plain_runner(model_dir: Path) -> None:
     n = plain.num_blocks
     torch.testing.assert_close(graphed.cache.k[:, :n], plain.cache.k, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(graphed.cache.v[:, :n], plain.cache.v, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("arch", "kv_dtype"), [("qwen3", "auto"), ("llama", "int8")])
+def test_q_k_norms_and_an_int8_cache(tmp_path: Path, arch: str, kv_dtype: str) -> None:
+    """Qwen3's q/k norms in the graphed step, and an int8 KV cache with its scales."""
+    path = write_tiny_model(tmp_path, arch, tied=False)
+    plain, prompts = _prefilled(path, graphs=False, kv_dtype=kv_dtype)
+    graphed, _ = _prefilled(path, graphs=True, kv_dtype=kv_dtype)
+    assert graphed.graphs is not None
+    assert (graphed.cache.scales is not None) == (kv_dtype == "int8")
+    for extra in range(3):
+        plan = _decodes(prompts, [0, 1, 2], extra)
+        want = plain.logits(plan)
+        torch.testing.assert_close(graphed.graphs.run(plan), want, atol=1e-5, rtol=1e-5)
+    n = plain.num_blocks
+    torch.testing.assert_close(graphed.cache.k[:, :n], plain.cache.k)
+    if plain.cache.scales is not None and graphed.cache.scales is not None:
+        torch.testing.assert_close(graphed.cache.scales[0][:, :n], plain.cache.scales[0])
 
 
 def test_padding_rows_write_only_the_scratch_block(model_dir: Path) -> None:
