@@ -7,6 +7,7 @@ that on a GPU). Each test compares a graph runner with a plain one on the same t
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from furnace_trio.backend import warm_up
 from furnace_trio.config import ConfigError, ServerConfig
-from furnace_trio.cuda_graphs import BATCH_SIZES, batch_bucket, context_widths
+from furnace_trio.cuda_graphs import BATCH_SIZES, DecodeGraphs, batch_bucket, context_widths
 from furnace_trio.hf_loader import load_hf_directory
 from furnace_trio.params import SamplingParams
 from furnace_trio.plan import ChunkPlan, SampleSpec, StepPlan
@@ -47,6 +48,18 @@ def _runner(
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("graphs"), "llama", tied=False)
+
+
+def fresh_graphs(runner: ModelRunner, *, capture: bool) -> DecodeGraphs:
+    """New decode graphs for ``runner`` (made with graphs: it has the scratch block), that
+    capture or run their padded steps eagerly (also used by ``test_gpu.py``)."""
+    return DecodeGraphs(
+        runner.model,
+        runner.cache,
+        max_context=runner.max_context,
+        scratch_block=runner.num_blocks,
+        capture=capture,
+    )
 
 
 def _tables() -> list[tuple[int, ...]]:
@@ -224,6 +237,28 @@ def test_warm_up_captures_every_batch_size_at_the_narrowest_width(model_dir: Pat
     warm_up(runner, 20)  # as the server does before serving, with its max_running
     assert runner.graphs is not None
     assert runner.graphs.captured == tuple((b, 64) for b in (1, 2, 4, 8, 16, 24))
+
+
+def test_a_failed_capture_turns_the_graphs_off_and_the_step_still_runs(
+    model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Here a real capture fails (no CUDA): logged once, the step runs op by op, and later
+    steps do not try again."""
+    plain, prompts = _prefilled(model_dir, graphs=False)
+    runner, _ = _prefilled(model_dir, graphs=True)
+    runner.graphs = fresh_graphs(runner, capture=True)
+    with caplog.at_level(logging.WARNING, logger="furnace_trio.cuda_graphs"):
+        for extra in range(2):
+            plan = _decodes(prompts, [0, 1, 2], extra)
+            assert runner.step(plan) == plain.step(plan)
+    assert not runner.graphs.enabled
+    assert not runner.graphs.accepts(_decodes(prompts, [0]))
+    assert runner.graphs.captured == ()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and warnings[0].startswith("decode graphs off: capturing 4 sequences")
+    # Warm-up on such a runner tries nothing more.
+    runner.capture_graphs(20)
+    assert runner.graphs.captured == () and len(caplog.records) == 1
 
 
 def test_native_cpu_runners_take_no_graphs(model_dir: Path) -> None:

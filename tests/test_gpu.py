@@ -11,7 +11,6 @@ import trio
 from furnace_trio.app import create_app
 from furnace_trio.backend import DEFAULT_KV_CACHE_MB_CPU
 from furnace_trio.config import ServerConfig
-from furnace_trio.cuda_graphs import DecodeGraphs
 from furnace_trio.model import KVCache
 from furnace_trio.params import SamplingParams
 from furnace_trio.plan import ChunkPlan, SampleSpec, StepPlan
@@ -19,6 +18,7 @@ from furnace_trio.runner import ModelRunner, RunnerConfig
 
 from .http_server import serve_app
 from .real_model import NAME, QUESTION, check_paris_streamed_and_not, default_model, default_runner
+from .test_cuda_graphs import fresh_graphs
 
 pytestmark = pytest.mark.gpu
 
@@ -71,13 +71,7 @@ def test_cuda_graph_replays_compute_the_eager_padded_step() -> None:
     3 sequences (a batch of 4 with one padding row), 24 steps, tokens fed back."""
     ids = _prompt()
     captured, eager = _cuda_runner("bfloat16"), _cuda_runner("bfloat16")
-    eager.graphs = DecodeGraphs(
-        eager.model,
-        eager.cache,
-        max_context=eager.max_context,
-        scratch_block=eager.num_blocks,
-        capture=False,
-    )
+    eager.graphs = fresh_graphs(eager, capture=False)
     prompts = [ids, ids[:9], ids[5:]]
     tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(3)]
     last = []

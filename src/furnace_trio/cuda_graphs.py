@@ -22,6 +22,10 @@ the graph is fed a :class:`~furnace_trio.model.StepInputs` whose tensors are vie
 static buffer and whose Python context lengths all say the bucket's width. Steps with a
 prefill chunk, or more decodes than the largest batch size, run eagerly as before.
 
+A capture that fails (out of memory, an op that cannot be captured) is logged and turns
+the graphs off for the runner's life: every step then runs op by op, as with
+``FURNACE_CUDA_GRAPHS=0``, and the server goes on serving.
+
 Without CUDA (``capture=False``) the same padded, static-buffer step runs eagerly: what
 the CPU tests check, everything but the capture itself.
 """
@@ -32,6 +36,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -98,8 +103,10 @@ class DecodeGraphs:
         most, blocks = BATCH_SIZES[-1], self.widths[-1] // cache.block_size
         self._static = torch.zeros(most * (4 + blocks), dtype=torch.int64, device=self._device)
         self._capture = capture
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._pool: Any = None  # the memory pool every graph shares (made at the first capture)
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        #: False once a capture failed: every step runs op by op from then on.
+        self.enabled = True
         # The rotary table is grown (reallocated) on demand: grow it to the widest range now,
         # so that no graph keeps the address of a table that was replaced.
         model.reserve_rotary(self.widths[-1])
@@ -114,20 +121,22 @@ class DecodeGraphs:
         narrowest width, now (as vLLM does at startup) rather than in a client's time."""
         top = batch_bucket(most) or BATCH_SIZES[-1]
         for batch in BATCH_SIZES:
-            if batch <= top and (batch, self.widths[0]) not in self._graphs:
+            if batch <= top and self.enabled and (batch, self.widths[0]) not in self._graphs:
                 self._make(batch, self.widths[0])
 
     def accepts(self, plan: StepPlan) -> bool:
         """Whether ``plan`` is all one-token chunks, few enough for a graph."""
         chunks = plan.chunks
         return (
-            bool(chunks)
+            self.enabled
+            and bool(chunks)
             and len(chunks) <= BATCH_SIZES[-1]
             and all(len(c.token_ids) == 1 for c in chunks)
         )
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """Float32 logits after every chunk of ``plan`` that samples, in order."""
+    def run(self, plan: StepPlan) -> torch.Tensor | None:
+        """Float32 logits after every chunk of ``plan`` that samples, in order; ``None`` if
+        its graph could not be captured (the caller runs the step op by op)."""
         chunks = plan.chunks
         n = len(chunks)
         batch = batch_bucket(n)
@@ -136,6 +145,8 @@ class DecodeGraphs:
         if batch is None or width is None:
             raise ValueError(f"no decode graph for {n} sequences with a context of {longest}")
         graph = self._graphs.get((batch, width)) or self._make(batch, width)
+        if graph is None:
+            return None
         self._fill(plan, batch, width)
         logits = graph.replay()
         rows = [i for i, c in enumerate(chunks) if c.samples]
@@ -203,7 +214,7 @@ class DecodeGraphs:
             logit_rows=every,
         )
 
-    def _make(self, batch: int, width: int) -> _Graph:
+    def _make(self, batch: int, width: int) -> _Graph | None:
         inputs = self._inputs(batch, width)
         # Until the first fill: every row is padding (scratch slot, one key).
         empty = StepPlan(())
@@ -217,7 +228,19 @@ class DecodeGraphs:
             graph = _Graph(batch, width, step, inputs)
         else:
             started = time.perf_counter()
-            graph = _Graph(batch, width, self._record(step), inputs)
+            try:
+                graph = _Graph(batch, width, self._record(step), inputs)
+            except Exception as exc:  # whatever the cause, the step can run op by op
+                self.enabled = False
+                logger.warning(
+                    "decode graphs off: capturing %d sequences, %d tokens wide failed (%s: %s);"
+                    " every step runs op by op",
+                    batch,
+                    width,
+                    type(exc).__name__,
+                    exc,
+                )
+                return None
             took = (time.perf_counter() - started) * 1e3
             logger.info(
                 "decode graph captured: %d sequences, %d tokens wide, %.0f ms", batch, width, took
@@ -233,6 +256,8 @@ class DecodeGraphs:
         ``gc.collect()`` and empties the allocator's cache at every capture; neither is
         needed here, and a capture during serving would pay for both.
         """
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         main = torch.cuda.current_stream(self._device)
         side = torch.cuda.Stream(self._device)
         side.wait_stream(main)

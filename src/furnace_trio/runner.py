@@ -215,9 +215,10 @@ class ModelRunner:
             self.cache.copy_blocks(plan.block_copies)
             if not plan.chunks:
                 return []
+            logits = None
             if self.graphs is not None and self.graphs.accepts(plan):
                 logits = self.graphs.run(plan)
-            else:
+            if logits is None:
                 logits = self._forward(plan)
             specs: list[SampleSpec] = []
             rows: list[int] = []
