@@ -6,8 +6,9 @@
   1,000-token prompt. Twice, after an untimed pass that takes the process's first-use
   costs: with the decode steps replayed from CUDA graphs (the default) and with every op
   launched from Python, printed as a ratio; each model step timed by kind (graph replay,
-  other decode, with a prefill chunk), and each request's time to first token at 1 stream. transformers ``generate`` on the same GPU, dtype and weights (one
-  sequence, static batches of 16 and 64) in the same run, printed as ratios.
+  other decode, with a prefill chunk), and each request's time to first token at 1 stream.
+  transformers ``generate`` on the same GPU, dtype and weights (one sequence, static
+  batches of 16 and 64) in the same run, printed as ratios.
 - Over HTTP: ``hypercorn furnace_trio.app:app`` in a subprocess with ``FURNACE_DEVICE=cuda``
   (as users run it), streams from an httpx client at 1, 16 and 64.
 - Batch invariance: 20 chat prompts x 32 greedy tokens decoded alone and inside a batch of

@@ -633,19 +633,11 @@ class Transformer(nn.Module):
         kernels.add_rmsnorm(picked, None, self.norm.weight, self.config.rms_norm_eps, normed)
         return self.lm_head(normed).float()
 
-    def reserve_rotary(self, end: int) -> None:
-        """Grow the rotary table to hold every position below ``end`` now, so that no later
-        step replaces it (a CUDA graph keeps the table's address)."""
-        self._rotary(torch.zeros(1, dtype=torch.int64, device=self.inv_freq.device), end)
-
-    def _rotary(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos`` and ``sin`` ``[T, head_dim]`` at ``positions`` (all below ``end``), the sign
-        of rotate_half folded into ``sin``.
-
-        Rows of a table of every position below the largest ``end`` seen so far, grown by
-        doubling: two lookups per step instead of the seven small ops that computed them
-        (about 0.1 ms of a one-sequence decode step on the CPU).
-        """
+    def reserve_rotary(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary table (``cos``, signed ``sin``, one row per position), grown now to
+        hold every position below ``end``: rows of every position below the largest ``end``
+        seen so far, grown by doubling. A CUDA graph keeps the table's address, so
+        :class:`~furnace_trio.cuda_graphs.DecodeGraphs` reserves the widest range first."""
         if self._rope is None or self._rope[0].shape[0] < end:
             size = max(end, 2 * self._rope[0].shape[0] if self._rope is not None else 256)
             size = min(size, max(end, self.config.max_position_embeddings))
@@ -656,7 +648,14 @@ class Transformer(nn.Module):
                 torch.cat((freqs, freqs), dim=-1).cos(),
                 torch.cat((-sin_half, sin_half), dim=-1),
             )
-        cos, sin = self._rope
+        return self._rope
+
+    def _rotary(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin`` ``[T, head_dim]`` at ``positions`` (all below ``end``), the sign
+        of rotate_half folded into ``sin``: two lookups in :meth:`reserve_rotary`'s table per
+        step instead of the seven small ops that computed them (about 0.1 ms of a
+        one-sequence decode step on the CPU)."""
+        cos, sin = self.reserve_rotary(end)
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
     def _decode_layer_ptrs(self, cache: KVCache, kernels: native.Kernels) -> torch.Tensor | None:
