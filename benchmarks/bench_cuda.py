@@ -99,26 +99,48 @@ def http_figures(workloads: list[tuple[int, int]], max_tokens: int) -> list[Any]
 
 class StepTrace:
     """Every step of ``runner`` timed (the device synchronized after it), by kind: decode
-    graph replays, other all-decode steps, steps with a prefill chunk."""
+    graph replays, other all-decode steps, steps with a prefill chunk; and every pause of
+    Python's cyclic garbage collector, so that a slow first token can be explained."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.times: dict[str, list[float]] = {"graph": [], "decode": [], "prefill": []}
+        #: (start, end, kind, sequences, tokens) of every step, in order.
+        self.steps: list[tuple[float, float, str, int, int]] = []
+        #: (start, end, generation) of every collection while the trace is on.
+        self.pauses: list[tuple[float, float, int]] = []
         step = runner.step
+        graphs = runner.graphs
+        self.warm = graphs.captured if graphs is not None else ()
 
         def timed(plan: StepPlan) -> list[SampledToken]:
             start = time.perf_counter()
             out = step(plan)
             sync()
-            if runner.graphs is not None and runner.graphs.accepts(plan):
+            if graphs is not None and graphs.accepts(plan):
                 kind = "graph"
             elif all(len(c.token_ids) == 1 for c in plan.chunks):
                 kind = "decode"
             else:
                 kind = "prefill"
-            self.times[kind].append(time.perf_counter() - start)
+            end = time.perf_counter()
+            self.times[kind].append(end - start)
+            tokens = sum(len(c.token_ids) for c in plan.chunks)
+            self.steps.append((start, end, kind, len(plan.chunks), tokens))
             return out
 
         runner.step = timed  # type: ignore[method-assign]
+        self._graphs = graphs
+        self._gc_start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.pauses.append((self._gc_start, time.perf_counter(), info["generation"]))
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
 
     def summary(self) -> str:
         parts = []
@@ -128,7 +150,38 @@ class StepTrace:
                 parts.append(
                     f"{kind} {len(ms)} steps, p50 {pct(ms, 50):.1f} p95 {pct(ms, 95):.1f} ms"
                 )
+        slow = sum(1 for a, b, _ in self.pauses if b - a > 0.01)
+        worst = max((b - a for a, b, _ in self.pauses), default=0.0)
+        parts.append(
+            f"{len(self.pauses)} GC pauses ({slow} over 10 ms, longest {worst * 1e3:.0f} ms)"
+        )
+        if self._graphs is not None:
+            late = [g for g in self._graphs.captured if g not in self.warm]
+            parts.append(f"captured while serving: {late or 'none'}")
         return "; ".join(parts)
+
+    def first_tokens(self, result: Any, which: list[int]) -> list[str]:
+        """Where the time to first token of requests ``which`` of ``result`` went: the steps
+        that ran from submit to first token, the collector's pauses, and the rest."""
+        lines = []
+        for start, ttft in [(result.starts[i], result.ttft[i]) for i in which]:
+            end = start + ttft
+            inside = [s for s in self.steps if s[1] > start and s[0] < end]
+            in_steps = sum(min(b, end) - max(a, start) for a, b, *_ in inside)
+            in_gc = sum(
+                min(b, end) - max(a, start) for a, b, _ in self.pauses if b > start and a < end
+            )
+            steps = ", ".join(f"{k} {n}x{t} {1e3 * (b - a):.1f}" for a, b, k, n, t in inside[:8])
+            lines.append(
+                f"TTFT {ttft * 1e3:.0f} ms = steps {in_steps * 1e3:.0f} + GC {in_gc * 1e3:.0f} + "
+                f"other {(ttft - in_steps - in_gc) * 1e3:.0f} ms; steps (kind seqs x tokens ms): "
+                f"{steps}{' ...' if len(inside) > 8 else ''}"
+            )
+        return lines
+
+    def longest(self, count: int = 5) -> str:
+        top = sorted(self.steps, key=lambda s: s[0] - s[1])[:count]
+        return ", ".join(f"{k} {n}x{t} {1e3 * (b - a):.0f} ms" for a, b, k, n, t in top)
 
 
 def invariance(loaded: LoadedModel, dtype: str, steps: int) -> int:
@@ -164,9 +217,10 @@ def main() -> None:
         trace = StepTrace(runner)
         loads = QUICK if graphs is None else workloads
         results = trio.run(run_engine, runner, thread, loaded, loads, args.max_tokens, DEVICE)
+        trace.close()
         if graphs is not None:
             runs[graphs], traces[graphs] = results, trace
-        del runner, trace
+        del runner
         gc.collect()  # the engine's reference cycles hold the runner's KV cache
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
@@ -184,9 +238,19 @@ def main() -> None:
     for r in eager:
         print(r.row("engine, no CUDA graphs"))
     for graphs, trace in traces.items():
-        print(f"engine {'with' if graphs else 'without'} graphs, model steps: {trace.summary()}")
-    for r in (ours[0], eager[0]):
-        print(f"TTFT of each request at 1 stream, ms: {sorted(round(t * 1e3) for t in r.ttft)}")
+        label = "with" if graphs else "without"
+        print(f"engine {label} graphs, model steps: {trace.summary()}")
+        print(f"  longest steps: {trace.longest()}")
+        results = runs[graphs][0]
+        print(
+            f"  TTFT of each request at 1 stream, ms: {sorted(round(t * 1e3) for t in results[0].ttft)}"
+        )
+        for line in trace.first_tokens(results[0], [0, 1, 2][: len(results[0].ttft)]):
+            print(f"  1 stream: {line}")
+        slowest = max(results, key=lambda r: pct(r.ttft, 95))
+        worst = sorted(range(len(slowest.ttft)), key=lambda i: -slowest.ttft[i])[:2]
+        for line in trace.first_tokens(slowest, worst):
+            print(f"  {slowest.streams} streams, a slowest request: {line}")
     for r in over_http:
         print(r.row("HTTP (hypercorn subprocess)"))
     print(
