@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 import openai
 import pytest
@@ -11,7 +13,7 @@ import trio
 from furnace_trio.app import create_app
 from furnace_trio.backend import DEFAULT_KV_CACHE_MB_CPU
 from furnace_trio.config import ServerConfig
-from furnace_trio.model import KVCache
+from furnace_trio.model import KVCache, Transformer
 from furnace_trio.params import SamplingParams
 from furnace_trio.plan import ChunkPlan, SampleSpec, StepPlan
 from furnace_trio.runner import ModelRunner, RunnerConfig
@@ -23,10 +25,10 @@ from .test_cuda_graphs import fresh_graphs
 pytestmark = pytest.mark.gpu
 
 
-def _cuda_runner(dtype: str) -> ModelRunner:
+def _cuda_runner(dtype: str, graphs: bool | None = None) -> ModelRunner:
     return ModelRunner.from_loaded(
         default_model(),
-        RunnerConfig(device="cuda", dtype=dtype, kv_cache_bytes=256 << 20),
+        RunnerConfig(device="cuda", dtype=dtype, kv_cache_bytes=256 << 20, cuda_graphs=graphs),
     )
 
 
@@ -37,23 +39,31 @@ def _prompt() -> tuple[int, ...]:
 
 
 def test_cuda_float32_logits_match_the_cpu() -> None:
+    """A whole prompt, and the same prompt in two chunks (the second one masked, after 16
+    cached tokens: the CUDA form with expanded keys)."""
     ids = _prompt()
     plan = StepPlan((ChunkPlan(1, ids, 0, tuple(range(8))),))
     cpu = default_runner().logits(plan)
-    gpu = _cuda_runner("float32").logits(plan)
+    cuda = _cuda_runner("float32")
+    gpu = cuda.logits(plan)
     assert gpu.device.type == "cuda"
     torch.testing.assert_close(gpu.cpu(), cpu, atol=2e-3, rtol=2e-3)
 
+    table = tuple(range(8, 16))
+    cuda.logits(StepPlan((ChunkPlan(2, ids[:16], 0, table),)))
+    rest = cuda.logits(StepPlan((ChunkPlan(2, ids[16:], 16, table),)))
+    torch.testing.assert_close(rest[-1:].cpu(), cpu[-1:], atol=2e-3, rtol=2e-3)
 
-def test_cuda_bfloat16_greedy_answer_says_paris() -> None:
-    runner = _cuda_runner("bfloat16")
+
+def _greedy_answer(runner: ModelRunner, steps: int = 40) -> list[int]:
+    """The runner's greedy answer to the Paris question, one step at a time."""
     tok = default_model().tokenizer
     ids = _prompt()
     table = tuple(range(8))
-    greedy = SamplingParams(temperature=0, max_tokens=40)
+    greedy = SamplingParams(temperature=0, max_tokens=steps)
     out: list[int] = []
     chunk = ChunkPlan(1, ids, 0, table, (SampleSpec(1, greedy),))
-    for _ in range(40):
+    for _ in range(steps):
         (sampled,) = runner.step(StepPlan((chunk,)))
         if sampled.token_id in tok.eos_token_ids:
             break
@@ -61,9 +71,68 @@ def test_cuda_bfloat16_greedy_answer_says_paris() -> None:
         chunk = ChunkPlan(
             1, (sampled.token_id,), len(ids) + len(out) - 1, table, (SampleSpec(1, greedy),)
         )
-    assert "Paris" in tok.decode(out)
+    return out
+
+
+def test_cuda_bfloat16_greedy_answer_says_paris() -> None:
+    runner = _cuda_runner("bfloat16")
+    assert "Paris" in default_model().tokenizer.decode(_greedy_answer(runner))
     # The decodes were graph replays (a runner on CUDA captures them by default).
     assert runner.graphs is not None and runner.graphs.captured == ((1, 256),)
+
+
+def test_a_failed_capture_on_cuda_leaves_the_runner_serving(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step that cannot be captured (here: it reads a value back to the host mid-capture)
+    turns the graphs off; the decodes then run op by op, as without graphs, and the device
+    is left healthy: a later runner captures and replays as usual."""
+    replayed = _greedy_answer(_cuda_runner("bfloat16"))
+    eager = _greedy_answer(_cuda_runner("bfloat16", graphs=False))
+    forward = Transformer.forward
+
+    def syncs_while_capturing(self: Transformer, *args: object) -> torch.Tensor:
+        out = forward(self, *args)
+        if torch.cuda.is_current_stream_capturing():
+            out.sum().item()  # a host sync: not allowed in a capture
+        return out
+
+    monkeypatch.setattr(Transformer, "forward", syncs_while_capturing)
+    runner = _cuda_runner("bfloat16")
+    with caplog.at_level(logging.WARNING, logger="furnace_trio.cuda_graphs"):
+        assert _greedy_answer(runner) == eager
+    assert runner.graphs is not None and not runner.graphs.enabled
+    assert runner.graphs.captured == ()
+    warned = [r.getMessage() for r in caplog.records if r.name == "furnace_trio.cuda_graphs"]
+    assert len(warned) == 1 and warned[0].startswith("decode graphs off"), warned
+
+    monkeypatch.undo()
+    later = _cuda_runner("bfloat16")
+    assert _greedy_answer(later) == replayed
+    assert "Paris" in default_model().tokenizer.decode(replayed)
+    assert later.graphs is not None and later.graphs.captured == ((1, 256),)
+
+
+def test_cuda_steps_never_use_cudnn_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN's attention builds a plan for every new shape (about 60 ms on an H200): no
+    attention call of a step, eager or captured, may take it; the process's own setting
+    is back once the step is done."""
+    seen: list[bool] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    for graphs in (True, False):
+        answer = _greedy_answer(_cuda_runner("bfloat16", graphs=graphs), steps=6)
+        assert len(answer) == 6
+    layers = default_model().config.num_layers
+    # Prefill and capture (with its warm-up run) with graphs; prefill and 5 decodes without.
+    assert len(seen) == layers * (3 + 6), len(seen)
+    assert not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def test_cuda_graph_replays_compute_the_eager_padded_step() -> None:

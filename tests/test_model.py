@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from furnace_trio import config as server_config
 from furnace_trio.hf_loader import load_hf_directory
-from furnace_trio.model import RMSNorm
+from furnace_trio.model import RMSNorm, chunk_attention, chunk_mask
 from furnace_trio.native import quantize_kv_rows
 from furnace_trio.params import SamplingParams
 from furnace_trio.plan import ChunkPlan, SampleSpec, StepPlan
@@ -146,6 +146,28 @@ def test_ragged_batch_matches_each_alone(tiny: tuple[ModelRunner, torch.nn.Modul
     torch.testing.assert_close(got[0], expected[0][11], atol=TOL, rtol=TOL)
     torch.testing.assert_close(got[1], expected[2][19], atol=TOL, rtol=TOL)
     torch.testing.assert_close(got[2], expected[3][4], atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("past", [0, 7])
+def test_chunk_attention_with_expanded_keys_equals_grouped(past: int) -> None:
+    """The CUDA form of a chunk's attention (keys repeated per query head, no
+    ``enable_gqa``) computes what the grouped form computes: 9 query heads over 3 KV heads,
+    a fresh prompt and a chunk after 7 cached tokens."""
+    torch.manual_seed(0)
+    qlen, ctx = 5, past + 5
+    q = torch.randn(qlen, 9, 16)
+    keys, values = torch.randn(ctx, 3, 16), torch.randn(ctx, 3, 16)
+    mask = chunk_mask(qlen, past, q.dtype, q.device) if past else None
+    grouped = chunk_attention(q, keys, values, mask, 0.25, expand_kv=False)
+    expanded = chunk_attention(q, keys, values, mask, 0.25, expand_kv=True)
+    assert grouped.shape == (qlen, 9, 16)
+    torch.testing.assert_close(expanded, grouped)
+    # Query head 4 reads KV head 1 (heads 3 to 5 share it): plain attention, by hand.
+    scores = (q[:, 4] @ keys[:, 1].T) * 0.25
+    if mask is None:
+        mask = chunk_mask(qlen, 0, q.dtype, q.device)
+    want = torch.softmax(scores + mask, dim=-1) @ values[:, 1]
+    torch.testing.assert_close(grouped[:, 4], want)
 
 
 def test_block_copy_forks_a_sequence(tiny: tuple[ModelRunner, torch.nn.Module, int]) -> None:

@@ -17,6 +17,7 @@ matrix products; :class:`Linear` is the single place a quantized kernel plugs in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import native
 from .model_config import ModelConfig
@@ -105,6 +107,13 @@ class DecodeBatch:
         return DecodeBatch(tables, max_ctx, mask[:, None, None, :], flat_rows)
 
 
+#: The attention kernels a step may use on CUDA: every SDPA backend but cuDNN's, which
+#: torch prefers on Hopper and which builds a plan for every new shape (about 60 ms each on
+#: an H200, measured). A server's shapes change with every prompt length, context and batch
+#: size; flash, memory-efficient and math kernels take any shape at no cost.
+CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def chunk_mask(qlen: int, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive causal mask ``[qlen, past + qlen]`` of a chunk after ``past`` cached tokens.
 
@@ -116,6 +125,44 @@ def chunk_mask(qlen: int, past: int, dtype: torch.dtype, device: torch.device) -
     return torch.zeros((qlen, past + qlen), dtype=dtype, device=device).masked_fill_(
         keys > rows, float("-inf")
     )
+
+
+def chunk_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    *,
+    expand_kv: bool,
+) -> torch.Tensor:
+    """Causal attention of ``qlen`` queries ``[qlen, H, D]`` over ``ctx`` keys and values
+    ``[ctx, KV, D]``; ``mask`` is ``None`` for a fresh prompt (plain causal) or the additive
+    :func:`chunk_mask` when the chunk follows cached tokens.
+
+    Inputs are 4-D with ``enable_gqa``: with 3-D inputs or an expanded (``repeat_interleave``)
+    key copy, torch 2.13 on the CPU takes the unfused math path, 3 to 4 times slower
+    (measured: 42 ms -> 11.5 ms for 250 queries over 1,850 keys, SmolLM2 heads). On CUDA the
+    other way round for a masked chunk (``expand_kv``): no fused kernel takes a mask with
+    ``enable_gqa``, and the math kernel took 0.4 ms a call on an H200, 0.8 s for a step of
+    64 prefix-cached prompts; with the keys expanded the memory-efficient kernel takes it.
+    """
+    qh = q.transpose(0, 1)[None]  # [1, H, qlen, D]
+    kh = keys.transpose(0, 1)[None]  # [1, KV, ctx, D]
+    vh = values.transpose(0, 1)[None]
+    if expand_kv:
+        group = qh.shape[1] // kh.shape[1]
+        kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
+    o = F.scaled_dot_product_attention(
+        qh,
+        kh,
+        vh,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=not expand_kv,
+    )
+    return o[0].transpose(0, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,21 +426,10 @@ class Attention(nn.Module):
     def _attend_chunk(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """Causal attention of ``qlen`` new queries over ``past + qlen`` keys.
-
-        Inputs are 4-D with ``enable_gqa``: with 3-D inputs or an expanded (``repeat_interleave``)
-        key copy, torch 2.13 on the CPU takes the unfused math path, 3 to 4 times slower
-        (measured: 42 ms -> 11.5 ms for 250 queries over 1,850 keys, SmolLM2 heads).
-        ``mask`` is ``None`` for a fresh prompt (plain causal) or the additive
-        :func:`chunk_mask` when the chunk follows cached tokens.
-        """
-        qh = q.transpose(0, 1)[None]  # [1, H, qlen, D]
-        kh = keys.transpose(0, 1)[None]  # [1, KV, ctx, D]
-        vh = values.transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(
-            qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
-        )
-        return o[0].transpose(0, 1)
+        """Causal attention of ``qlen`` new queries over ``past + qlen`` keys (see
+        :func:`chunk_attention`); on CUDA a masked chunk's keys are expanded per query head."""
+        expand = mask is not None and q.is_cuda
+        return chunk_attention(q, keys, values, mask, self.scale, expand_kv=expand)
 
     def _attend_decodes(
         self,
@@ -555,11 +591,13 @@ class Transformer(nn.Module):
         x = F.embedding(inputs.input_ids, self.embed_tokens)
         cos, sin = self._rotary(inputs.positions, max(inputs.context_lens))
         cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
-        for i, module in enumerate(self.layers):
-            layer = cast(DecoderLayer, module)
-            h = layer.self_attn(layer.input_layernorm(x), cos, sin, cache.layers[i], inputs)
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        attention = sdpa_kernel(CUDA_ATTENTION) if x.is_cuda else contextlib.nullcontext()
+        with attention:
+            for i, module in enumerate(self.layers):
+                layer = cast(DecoderLayer, module)
+                h = layer.self_attn(layer.input_layernorm(x), cos, sin, cache.layers[i], inputs)
+                x = x + h
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = self.norm(x[inputs.logit_rows])
         return self.lm_head(x).float()
 
