@@ -39,8 +39,8 @@ def _prompt() -> tuple[int, ...]:
 
 
 def test_cuda_float32_logits_match_the_cpu() -> None:
-    """A whole prompt, and the same prompt in two chunks (the second one masked, after 16
-    cached tokens: the CUDA form with expanded keys)."""
+    """A whole prompt; the same prompt in two chunks (the second one masked, after 16
+    cached tokens: the CUDA form with expanded keys); two prompts in one step."""
     ids = _prompt()
     plan = StepPlan((ChunkPlan(1, ids, 0, tuple(range(8))),))
     cpu = default_runner().logits(plan)
@@ -53,6 +53,18 @@ def test_cuda_float32_logits_match_the_cpu() -> None:
     cuda.logits(StepPlan((ChunkPlan(2, ids[:16], 0, table),)))
     rest = cuda.logits(StepPlan((ChunkPlan(2, ids[16:], 16, table),)))
     torch.testing.assert_close(rest[-1:].cpu(), cpu[-1:], atol=2e-3, rtol=2e-3)
+
+    # Two prefill rows in one step (one batched attention call on CUDA): the whole prompt,
+    # and its first 20 tokens.
+    both = StepPlan(
+        (
+            ChunkPlan(3, ids, 0, tuple(range(16, 24))),
+            ChunkPlan(4, ids[:20], 0, tuple(range(24, 32))),
+        )
+    )
+    short = default_runner().logits(StepPlan((ChunkPlan(5, ids[:20], 0, tuple(range(8))),)))
+    got = cuda.logits(both).cpu()
+    torch.testing.assert_close(got, torch.cat([cpu, short]), atol=2e-3, rtol=2e-3)
 
 
 def _greedy_answer(runner: ModelRunner, steps: int = 40) -> list[int]:

@@ -9,6 +9,7 @@ the native CPU kernels (decode attention, fused norms/rotary/SiLU) and with torc
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from furnace_trio import config as server_config
+from furnace_trio import model as model_module
 from furnace_trio.hf_loader import load_hf_directory
-from furnace_trio.model import RMSNorm, chunk_attention, chunk_mask
+from furnace_trio.model import PrefillBatch, RMSNorm, chunk_attention, chunk_mask
 from furnace_trio.native import quantize_kv_rows
 from furnace_trio.params import SamplingParams
 from furnace_trio.plan import ChunkPlan, SampleSpec, StepPlan
@@ -146,6 +148,66 @@ def test_ragged_batch_matches_each_alone(tiny: tuple[ModelRunner, torch.nn.Modul
     torch.testing.assert_close(got[0], expected[0][11], atol=TOL, rtol=TOL)
     torch.testing.assert_close(got[1], expected[2][19], atol=TOL, rtol=TOL)
     torch.testing.assert_close(got[2], expected[3][4], atol=TOL, rtol=TOL)
+
+
+def _batched_prefill_logits(runner: ModelRunner, plan: StepPlan) -> torch.Tensor:
+    """``runner.logits(plan)`` with the step's prefill rows attended in one call, the CUDA
+    form (:class:`PrefillBatch`), here on the CPU."""
+    inputs = build_inputs(plan, runner.block_size, runner.device, all_rows=True)
+    batch = PrefillBatch.build(inputs, runner.block_size, torch.float32)
+    assert batch is not None
+    with torch.inference_mode():
+        return runner.model(dataclasses.replace(inputs, prefill=batch), runner.cache)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_batched_prefill_rows_equal_rows_attended_one_by_one(tmp_path: Path, kv_dtype: str) -> None:
+    """Fresh prompts of different lengths, chunks after cached tokens and decodes in one
+    step: the prefill rows attended in one padded call give the logits the per-row path
+    gives (and, with a float cache, transformers' own)."""
+    path = write_tiny_model(tmp_path, "qwen3", tied=False)
+    ref = _reference(path)
+    vocab = load_hf_directory(path)[0].vocab_size
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (17, 9, 22, 5)]
+    tables = [_table(16 * i) for i in range(len(seqs))]
+    first = [11, 2, 6, 5]
+    steps = [
+        tuple(ChunkPlan(i, tuple(s[: first[i]]), 0, tables[i]) for i, s in enumerate(seqs)),
+        (
+            ChunkPlan(0, (seqs[0][11],), 11, tables[0]),
+            ChunkPlan(1, tuple(seqs[1][2:9]), 2, tables[1]),
+            ChunkPlan(2, tuple(seqs[2][6:20]), 6, tables[2]),
+            ChunkPlan(3, (seqs[3][4],), 4, tables[3]),
+        ),
+    ]
+    rows = _runner(path, native=False, kv_dtype=kv_dtype)
+    batched = _runner(path, native=False, kv_dtype=kv_dtype)
+    for chunks in steps:
+        want = rows.logits(StepPlan(chunks))
+        got = _batched_prefill_logits(batched, StepPlan(chunks))
+        # An int8 cache: the batch reads a fresh prompt's own keys back from the cache,
+        # rounded, where the per-row path uses them as computed; later layers' keys, and so
+        # the next step, differ by as much.
+        tol = 1e-2 if kv_dtype == "int8" else TOL
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        if kv_dtype == "auto":
+            for chunk, logits in zip(chunks, got, strict=True):
+                full = seqs[chunk.seq_id][: chunk.start_pos + len(chunk.token_ids)]
+                expected = _ref_logits(ref, full)[-1]
+                torch.testing.assert_close(logits, expected, atol=TOL, rtol=TOL)
+
+
+def test_prefill_batches_only_when_it_pays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One prefill row is attended on its own; so are rows whose padded mask would be too
+    large."""
+    plan = StepPlan((ChunkPlan(0, (1, 2, 3), 0, _table(0)), ChunkPlan(1, (4, 5), 0, _table(16))))
+    inputs = build_inputs(plan, BLOCK, torch.device("cpu"))
+    assert PrefillBatch.build(inputs, BLOCK, torch.float32) is not None
+    one = build_inputs(StepPlan(plan.chunks[:1]), BLOCK, torch.device("cpu"))
+    assert PrefillBatch.build(one, BLOCK, torch.float32) is None
+    monkeypatch.setattr(model_module, "PREFILL_BATCH_ELEMENTS", 2 * 3 * 3 - 1)
+    assert PrefillBatch.build(inputs, BLOCK, torch.float32) is None
 
 
 @pytest.mark.parametrize("past", [0, 7])

@@ -48,11 +48,11 @@ class StepInputs:
     - ``decode_rows``: the rows of a single token; their attention runs in one batched
       call (``decode_index`` is the same as a tensor).
     - ``prefill_rows``: the other rows (chunks of more than one token), attended one by
-      one.
+      one, or on CUDA all in one call (``prefill``).
     - ``logit_rows``: flat token indices whose next-token logits are wanted.
-    - ``decode`` and ``chunk_masks`` (sequence index -> :func:`chunk_mask` of a multi-token
-      chunk after cached tokens) are per-step attention tensors shared by every layer;
-      :meth:`Transformer.forward` fills them in.
+    - ``decode``, ``prefill`` and ``chunk_masks`` (sequence index -> :func:`chunk_mask` of a
+      multi-token chunk after cached tokens) are per-step attention tensors shared by every
+      layer; :meth:`Transformer.forward` fills them in.
     """
 
     input_ids: torch.Tensor
@@ -67,6 +67,7 @@ class StepInputs:
     decode_context_lens: torch.Tensor
     logit_rows: torch.Tensor
     decode: DecodeBatch | None = None
+    prefill: PrefillBatch | None = None
     chunk_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
@@ -105,6 +106,80 @@ class DecodeBatch:
             rows = [inputs.query_starts[b] for b in inputs.decode_rows]
             flat_rows = torch.tensor(rows, device=device)
         return DecodeBatch(tables, max_ctx, mask[:, None, None, :], flat_rows)
+
+
+#: The most elements a batched prefill's mask may have (rows x queries x keys); a step
+#: with more attends its prefill rows one by one (128 MiB of bfloat16).
+PREFILL_BATCH_ELEMENTS = 1 << 26
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillBatch:
+    """Per-step tensors of the batched prefill attention, shared by every layer: every
+    multi-token row of the step in one attention call, its queries padded to the longest
+    chunk (``width``) and its keys to the longest context (``span``).
+
+    On a GPU a row attended on its own is about ten kernel launches per layer, so a step
+    that starts 64 prompts launched some 19,000 for attention alone (356 ms on an H200);
+    padded into one call it is ten.
+
+    - ``index``: ``[n, width]`` flat token index of each query (a short row repeats its
+      last token; those queries are computed and dropped).
+    - ``tables``: ``[n, blocks]`` block tables, cut to the blocks ``span`` needs.
+    - ``mask``: ``[n, 1, width, span]`` additive: query ``i`` of a row that follows
+      ``past`` cached tokens sees keys ``0 .. past + i`` of its own context.
+    - ``picked``: the real queries' places in the padded ``[n * width]`` output, in flat
+      token order; ``flat``: their flat token indices.
+
+    Every row reads its keys and values from the cache: with an int8 cache that includes
+    a fresh prompt's own, rounded, which the per-row path uses as computed.
+    """
+
+    index: torch.Tensor
+    tables: torch.Tensor
+    span: int
+    mask: torch.Tensor
+    picked: torch.Tensor
+    flat: torch.Tensor
+
+    @staticmethod
+    def build(inputs: StepInputs, block_size: int, dtype: torch.dtype) -> PrefillBatch | None:
+        """The batch of ``inputs``' prefill rows; ``None`` for fewer than two, or when the
+        padded mask would exceed :data:`PREFILL_BATCH_ELEMENTS`."""
+        rows = inputs.prefill_rows
+        if len(rows) < 2:
+            return None
+        starts, ctxs = inputs.query_starts, inputs.context_lens
+        lens = [starts[b + 1] - starts[b] for b in rows]
+        n, width, span = len(rows), max(lens), max(ctxs[b] for b in rows)
+        if n * width * span > PREFILL_BATCH_ELEMENTS:
+            return None
+        index: list[int] = []
+        picked: list[int] = []
+        flat: list[int] = []
+        for r, (b, qlen) in enumerate(zip(rows, lens, strict=True)):
+            lo = starts[b]
+            index.extend(lo + min(i, qlen - 1) for i in range(width))
+            picked.extend(range(r * width, r * width + qlen))
+            flat.extend(range(lo, lo + qlen))
+        pasts = [ctxs[b] - qlen for b, qlen in zip(rows, lens, strict=True)]
+        spans = [ctxs[b] for b in rows]
+        device = inputs.block_tables.device
+        # One host-to-device copy for every index of the step.
+        packed = torch.tensor(
+            [*index, *picked, *flat, *pasts, *spans, *rows], dtype=torch.int64
+        ).to(device)
+        index_t, picked_t, flat_t, past_t, span_t, rows_t = packed.split(
+            [n * width, len(picked), len(flat), n, n, n]
+        )
+        queries = torch.arange(width, device=device)[None, :, None]
+        keys = torch.arange(span, device=device)[None, None, :]
+        seen = (keys <= past_t[:, None, None] + queries) & (keys < span_t[:, None, None])
+        mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(
+            ~seen, float("-inf")
+        )
+        tables = inputs.block_tables[rows_t][:, : -(-span // block_size)]
+        return PrefillBatch(index_t.view(n, width), tables, span, mask[:, None], picked_t, flat_t)
 
 
 #: The attention kernels a step may use on CUDA: every SDPA backend but cuDNN's, which
@@ -404,6 +479,9 @@ class Attention(nn.Module):
             self._attend_decodes(q, out, kv, inputs)
             if len(inputs.decode_rows) == len(inputs.context_lens):
                 return self.o_proj(out.view(tokens, self.q_size))
+        if inputs.prefill is not None:
+            self._attend_prefills(q, out, kv, inputs.prefill)
+            return self.o_proj(out.view(tokens, self.q_size))
         starts = inputs.query_starts
         for b in inputs.prefill_rows:
             ctx = inputs.context_lens[b]
@@ -430,6 +508,23 @@ class Attention(nn.Module):
         :func:`chunk_attention`); on CUDA a masked chunk's keys are expanded per query head."""
         expand = mask is not None and q.is_cuda
         return chunk_attention(q, keys, values, mask, self.scale, expand_kv=expand)
+
+    def _attend_prefills(
+        self, q: torch.Tensor, out: torch.Tensor, kv: LayerKV, p: PrefillBatch
+    ) -> None:
+        """One attention call for every prefill row of the step (see :class:`PrefillBatch`);
+        the keys are repeated per query head, as no fused kernel takes a mask with
+        ``enable_gqa``."""
+        n, width = p.index.shape
+        group = self.num_heads // self.num_kv_heads
+        keys, values = kv.gather(p.tables, q.dtype)  # [n, blocks, block_size, KV, D]
+        keys = keys.flatten(1, 2)[:, : p.span].transpose(1, 2).repeat_interleave(group, dim=1)
+        values = values.flatten(1, 2)[:, : p.span].transpose(1, 2).repeat_interleave(group, dim=1)
+        o = F.scaled_dot_product_attention(
+            q[p.index].transpose(1, 2), keys, values, attn_mask=p.mask, scale=self.scale
+        )  # [n, H, width, D]
+        o = o.transpose(1, 2).reshape(n * width, self.num_heads, self.head_dim)
+        out.index_copy_(0, p.flat, o.index_select(0, p.picked))
 
     def _attend_decodes(
         self,
@@ -584,7 +679,10 @@ class Transformer(nn.Module):
             inputs = dataclasses.replace(
                 inputs, decode=DecodeBatch.build(inputs, cache.block_size, self.embed_tokens.dtype)
             )
-        if not inputs.chunk_masks:
+        if inputs.prefill is None and self.embed_tokens.is_cuda and len(inputs.prefill_rows) > 1:
+            batch = PrefillBatch.build(inputs, cache.block_size, self.embed_tokens.dtype)
+            inputs = dataclasses.replace(inputs, prefill=batch)
+        if not inputs.chunk_masks and inputs.prefill is None:
             inputs = dataclasses.replace(inputs, chunk_masks=self._chunk_masks(inputs))
         if kernels is not None:
             return self._forward_native(inputs, cache, kernels)
