@@ -116,14 +116,24 @@ def fetch(port: int, request: bytes) -> tuple[str, int]:
 class ClientProcess:
     """This module in a process of its own; its methods block until the answer comes."""
 
-    def __init__(self, cpus: set[int] | None = None) -> None:
-        """``cpus``: the CPUs the client may run on (default: this process's)."""
+    def __init__(self, cpus: set[int] | None = None, *, idle: bool = False) -> None:
+        """``cpus``: the CPUs the client may run on (default: this process's); ``idle``:
+        Linux's ``SCHED_IDLE`` policy, so that the client runs only on CPU time that no
+        other thread wants (where every core is the model's, it reads what has arrived
+        whenever the model's threads let a core go)."""
+
+        def setup() -> None:
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+            if idle:
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
+            preexec_fn=setup if cpus is not None or idle else None,
         )
 
     def _call(self, command: list[object]) -> Any:

@@ -225,6 +225,12 @@ def main() -> None:
         "keep the servers and the model off them): whether the HTTP side's cost is the "
         "client sharing the model's cores",
     )
+    parser.add_argument(
+        "--client-idle",
+        action="store_true",
+        help="run the raw client under SCHED_IDLE: it reads only on CPU time the model's "
+        "threads leave, as a client on another core or machine would take none of theirs",
+    )
     args = parser.parse_args()
     print(f"machine: {machine()}")
     clients = ["raw", "httpx"] if args.client == "both" else args.client.split(",")
@@ -235,10 +241,11 @@ def main() -> None:
     lean = next((c for c in clients if c != "httpx"), "raw")
     servers: list[Server] = []
     cpus = None if args.client_cpus is None else {int(c) for c in args.client_cpus.split(",")}
-    client_process = ClientProcess(cpus)
+    client_process = ClientProcess(cpus, idle=args.client_idle)
     mine = sorted(os.sched_getaffinity(0))
     print(
         f"CPUs: this process {mine}, the raw client {'the same' if cpus is None else sorted(cpus)}"
+        f"{' (SCHED_IDLE)' if args.client_idle else ''}"
     )
     try:
         servers.append(start_server("", args.quant, {}))
