@@ -154,7 +154,8 @@ def _batched_prefill_logits(runner: ModelRunner, plan: StepPlan) -> torch.Tensor
     """``runner.logits(plan)`` with the step's prefill rows attended in one call, the CUDA
     form (:class:`PrefillBatch`), here on the CPU."""
     inputs = build_inputs(plan, runner.block_size, runner.device, all_rows=True)
-    batch = PrefillBatch.build(inputs, runner.block_size, torch.float32)
+    heads = runner.config.num_heads * runner.config.head_dim
+    batch = PrefillBatch.build(inputs, runner.block_size, torch.float32, heads)
     assert batch is not None
     with torch.inference_mode():
         return runner.model(dataclasses.replace(inputs, prefill=batch), runner.cache)
@@ -199,15 +200,20 @@ def test_batched_prefill_rows_equal_rows_attended_one_by_one(tmp_path: Path, kv_
 
 
 def test_prefill_batches_only_when_it_pays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One prefill row is attended on its own; so are rows whose padded mask would be too
-    large."""
+    """One prefill row is attended on its own; so are rows whose padded mask, or whose
+    keys copied once per query head, would be too large."""
     plan = StepPlan((ChunkPlan(0, (1, 2, 3), 0, _table(0)), ChunkPlan(1, (4, 5), 0, _table(16))))
-    inputs = build_inputs(plan, BLOCK, torch.device("cpu"))
-    assert PrefillBatch.build(inputs, BLOCK, torch.float32) is not None
-    one = build_inputs(StepPlan(plan.chunks[:1]), BLOCK, torch.device("cpu"))
-    assert PrefillBatch.build(one, BLOCK, torch.float32) is None
+    cpu = torch.device("cpu")
+    inputs = build_inputs(plan, BLOCK, cpu)
+    assert PrefillBatch.build(inputs, BLOCK, torch.float32, 1) is not None
+    one = build_inputs(StepPlan(plan.chunks[:1]), BLOCK, cpu)
+    assert PrefillBatch.build(one, BLOCK, torch.float32, 1) is None
+    # 2 rows x 3 keys x 3 queries in the mask; x 4 elements per key when heads x size = 4.
+    monkeypatch.setattr(model_module, "PREFILL_BATCH_ELEMENTS", 2 * 3 * 3)
+    assert PrefillBatch.build(inputs, BLOCK, torch.float32, 1) is not None
+    assert PrefillBatch.build(inputs, BLOCK, torch.float32, 4) is None
     monkeypatch.setattr(model_module, "PREFILL_BATCH_ELEMENTS", 2 * 3 * 3 - 1)
-    assert PrefillBatch.build(inputs, BLOCK, torch.float32) is None
+    assert PrefillBatch.build(inputs, BLOCK, torch.float32, 1) is None
 
 
 @pytest.mark.parametrize("past", [0, 7])

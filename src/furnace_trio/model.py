@@ -108,8 +108,9 @@ class DecodeBatch:
         return DecodeBatch(tables, max_ctx, mask[:, None, None, :], flat_rows)
 
 
-#: The most elements a batched prefill's mask may have (rows x queries x keys); a step
-#: with more attends its prefill rows one by one (128 MiB of bfloat16).
+#: The most elements a batched prefill's mask (rows x queries x keys) and each of its
+#: padded key and value copies (rows x keys x query heads x head size) may have; a step
+#: with more attends its prefill rows one by one (128 MiB each in bfloat16).
 PREFILL_BATCH_ELEMENTS = 1 << 26
 
 
@@ -143,16 +144,19 @@ class PrefillBatch:
     flat: torch.Tensor
 
     @staticmethod
-    def build(inputs: StepInputs, block_size: int, dtype: torch.dtype) -> PrefillBatch | None:
-        """The batch of ``inputs``' prefill rows; ``None`` for fewer than two, or when the
-        padded mask would exceed :data:`PREFILL_BATCH_ELEMENTS`."""
+    def build(
+        inputs: StepInputs, block_size: int, dtype: torch.dtype, head_elements: int
+    ) -> PrefillBatch | None:
+        """The batch of ``inputs``' prefill rows (``head_elements``: query heads x head
+        size); ``None`` for fewer than two, or when its mask or key copies would exceed
+        :data:`PREFILL_BATCH_ELEMENTS`."""
         rows = inputs.prefill_rows
         if len(rows) < 2:
             return None
         starts, ctxs = inputs.query_starts, inputs.context_lens
         lens = [starts[b + 1] - starts[b] for b in rows]
         n, width, span = len(rows), max(lens), max(ctxs[b] for b in rows)
-        if n * width * span > PREFILL_BATCH_ELEMENTS:
+        if n * span * max(width, head_elements) > PREFILL_BATCH_ELEMENTS:
             return None
         index: list[int] = []
         picked: list[int] = []
@@ -680,7 +684,8 @@ class Transformer(nn.Module):
                 inputs, decode=DecodeBatch.build(inputs, cache.block_size, self.embed_tokens.dtype)
             )
         if inputs.prefill is None and self.embed_tokens.is_cuda and len(inputs.prefill_rows) > 1:
-            batch = PrefillBatch.build(inputs, cache.block_size, self.embed_tokens.dtype)
+            heads = self.config.num_heads * self.config.head_dim
+            batch = PrefillBatch.build(inputs, cache.block_size, self.embed_tokens.dtype, heads)
             inputs = dataclasses.replace(inputs, prefill=batch)
         if not inputs.chunk_masks and inputs.prefill is None:
             inputs = dataclasses.replace(inputs, chunk_masks=self._chunk_masks(inputs))
