@@ -189,7 +189,9 @@ class PrefillBatch:
 #: The attention kernels a step may use on CUDA: every SDPA backend but cuDNN's, which
 #: torch prefers on Hopper and which builds a plan for every new shape (about 60 ms each on
 #: an H200, measured). A server's shapes change with every prompt length, context and batch
-#: size; flash, memory-efficient and math kernels take any shape at no cost.
+#: size; flash, memory-efficient and math kernels take any shape at no cost. (torch keeps
+#: this choice process-wide, set and restored around each step: the server runs every step
+#: on its one model thread.)
 CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
