@@ -685,7 +685,8 @@ class Transformer(nn.Module):
             inputs = dataclasses.replace(
                 inputs, decode=DecodeBatch.build(inputs, cache.block_size, self.embed_tokens.dtype)
             )
-        if inputs.prefill is None and self.embed_tokens.is_cuda and len(inputs.prefill_rows) > 1:
+        on_cuda = self.embed_tokens.is_cuda
+        if inputs.prefill is None and on_cuda and len(inputs.prefill_rows) > 1:
             heads = self.config.num_heads * self.config.head_dim
             batch = PrefillBatch.build(inputs, cache.block_size, self.embed_tokens.dtype, heads)
             inputs = dataclasses.replace(inputs, prefill=batch)
@@ -696,7 +697,7 @@ class Transformer(nn.Module):
         x = F.embedding(inputs.input_ids, self.embed_tokens)
         cos, sin = self._rotary(inputs.positions, max(inputs.context_lens))
         cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
-        attention = sdpa_kernel(CUDA_ATTENTION) if x.is_cuda else contextlib.nullcontext()
+        attention = sdpa_kernel(CUDA_ATTENTION) if on_cuda else contextlib.nullcontext()
         with attention:
             for i, module in enumerate(self.layers):
                 layer = cast(DecoderLayer, module)
