@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
+import h11
 import httpx
 import openai
 import pytest
@@ -231,6 +232,47 @@ def test_a_send_that_is_not_hypercorns_http1_has_no_direct_path() -> None:
 
     assert DirectSend.of(plain, "POST", 200, Counter()) is None
     assert DirectSend.of(Other().app_send, "POST", 200, Counter()) is None
+
+
+def _h11_in_body(headers: list[tuple[str, str]]) -> h11.Connection:
+    """A server-side h11 connection that has sent a response's head with ``headers``."""
+    connection = h11.Connection(h11.SERVER)
+    connection.receive_data(b"GET / HTTP/1.1\r\nHost: test\r\n\r\n")
+    assert isinstance(connection.next_event(), h11.Request)
+    connection.send(h11.Response(status_code=200, headers=headers))
+    assert connection.our_state is h11.SEND_BODY
+    return connection
+
+
+def _frame_with(connection: h11.Connection, body: bytes) -> bytes:
+    direct = DirectSend(None, None, connection, None, None, Counter())  # type: ignore[arg-type]
+    return direct.frame(body)
+
+
+@pytest.mark.parametrize(
+    "body", [b"x", b"data: {}\n\n", "\u00e9\U0001f600".encode() * 9, b"z" * 70000]
+)
+def test_a_chunk_is_framed_as_h11_frames_it(body: bytes) -> None:
+    """A chunked body's chunk is framed without h11's send; the bytes are h11's, and h11's
+    state is what its own send leaves (the end of the body still closes it properly)."""
+    ours = _h11_in_body([("transfer-encoding", "chunked")])
+    theirs = _h11_in_body([("transfer-encoding", "chunked")])
+    assert _frame_with(ours, body) == theirs.send(h11.Data(data=body))
+    assert _frame_with(ours, b"") == theirs.send(h11.Data(data=b"")) == b""
+    assert ours.our_state is theirs.our_state is h11.SEND_BODY
+    assert ours.send(h11.EndOfMessage()) == theirs.send(h11.EndOfMessage()) == b"0\r\n\r\n"
+
+
+def test_a_body_with_a_content_length_is_framed_by_h11() -> None:
+    """With a Content-Length h11 counts the bytes: they go through its send, which refuses
+    one byte too many and ends the message once they are all written."""
+    connection = _h11_in_body([("content-length", "5")])
+    assert _frame_with(connection, b"abc") == b"abc"
+    with pytest.raises(h11.LocalProtocolError):
+        _frame_with(connection, b"def")
+    connection = _h11_in_body([("content-length", "5")])
+    assert _frame_with(connection, b"abcde") == b"abcde"
+    assert connection.send(h11.EndOfMessage()) == b""
 
 
 async def test_head_requests_and_whole_bodies_on_one_connection() -> None:
