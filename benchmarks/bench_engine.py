@@ -117,6 +117,8 @@ def make_engine(
         runner,
         decode=tok.decode,
         eos_token_ids=tok.eos_token_ids,
+        token_bytes=tok.token_to_bytes,
+        decode_table=tok.decode_table(),
         config=engine_config(ServerConfig(), device),
         model_thread=thread,
     )

@@ -76,6 +76,7 @@ async def serve_real(**config: Any) -> AsyncIterator[tuple[str, Engine]]:
             decode=model.tokenizer.decode,
             eos_token_ids=model.tokenizer.eos_token_ids,
             token_bytes=model.tokenizer.token_to_bytes,
+            decode_table=model.tokenizer.decode_table(),
             config=EngineConfig(max_running=8, max_step_tokens=256),
         )
         engines.append(engine)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import trio
 
@@ -110,12 +111,16 @@ async def test_32_concurrent_requests_all_complete() -> None:
     assert stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0
 
 
-async def test_greedy_answer_through_the_engine_says_paris() -> None:
+@pytest.mark.parametrize("table", [False, True], ids=["decode", "decode-table"])
+async def test_greedy_answer_through_the_engine_says_paris(table: bool) -> None:
+    """With and without the tokenizer's decode table (the server uses it): the streamed
+    text is decode's text of the streamed tokens."""
     model = default_model()
     engine = Engine(
         default_runner(),
         decode=model.tokenizer.decode,
         eos_token_ids=model.tokenizer.eos_token_ids,
+        decode_table=model.tokenizer.decode_table() if table else None,
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
@@ -124,4 +129,5 @@ async def test_greedy_answer_through_the_engine_says_paris() -> None:
         engine.shutdown()
         nursery.cancel_scope.cancel()
     assert "Paris" in out["text"]
+    assert out["text"] == model.tokenizer.decode(out["tokens"])
     assert out["finish"].reason == "stop"

@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers import AddedToken, decoders
+from tokenizers import Tokenizer as HFTokenizer
 
 from furnace_trio.model_config import UnsupportedModelError
 from furnace_trio.tokenizer import Tokenizer, read_gguf_metadata
@@ -121,6 +123,39 @@ def test_token_to_bytes_reassembles_multibyte_text(tokenizer: Tokenizer) -> None
 def test_decode_ignores_ids_beyond_the_vocabulary(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("ok")
     assert tokenizer.decode([*ids, tokenizer.vocab_size + 5]) == "ok"
+
+
+def test_the_decode_table_follows_decode_for_added_tokens(tokenizer: Tokenizer) -> None:
+    """Added tokens that are not special decode through the byte-level decoder too, with
+    its quirks ("café" as a token decodes to "caf\ufffd", its "é" read as the byte 0xE9):
+    the table gives what decode gives, not what the token's text says."""
+    hf = HFTokenizer.from_str(tokenizer.hf_tokenizer.to_str())
+    added = ["naïve fish", "café", "<tool>"]
+    hf.add_tokens([AddedToken(text, special=False) for text in added])
+    extended = Tokenizer(
+        hf, bos_token_id=None, eos_token_id=2, add_bos_token=False, chat_template=None
+    )
+    table = extended.decode_table()
+    assert table is not None and len(table) == tokenizer.vocab_size + len(added)
+    assert table[tokenizer.vocab_size :] == [b"na\xc3\xafve fish", b"caf\xe9", b"<tool>"]
+    assert table[tokenizer.token_to_id("<|im_end|>")] == b""  # special: skipped
+    ids = extended.encode("a naïve fish in a café <tool> <|im_end|>😀")
+    expected = extended.decode(ids)
+    assert expected == "a naïve fish in a caf\ufffd <tool> 😀"
+    assert b"".join(table[i] for i in ids).decode("utf-8", errors="replace") == expected
+
+
+def test_no_decode_table_where_decode_is_not_byte_level_alone(tokenizer: Tokenizer) -> None:
+    for decoder in (
+        decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)]),
+        decoders.Metaspace(),
+    ):
+        hf = HFTokenizer.from_str(tokenizer.hf_tokenizer.to_str())
+        hf.decoder = decoder
+        other = Tokenizer(
+            hf, bos_token_id=None, eos_token_id=2, add_bos_token=False, chat_template=None
+        )
+        assert other.decode_table() is None
 
 
 def test_encode_rejects_non_text(tokenizer: Tokenizer) -> None:

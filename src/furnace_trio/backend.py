@@ -123,6 +123,7 @@ def load_backend(config: ServerConfig) -> Backend:
         decode=tokenizer.decode,
         eos_token_ids=tokenizer.eos_token_ids,
         token_bytes=tokenizer.token_to_bytes,
+        decode_table=tokenizer.decode_table(),
         config=engine_config(config, device.type),
         model_thread=thread,
     )

@@ -59,7 +59,7 @@ from typing import Any, Literal
 import trio
 
 from .block_pool import BlockPool
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import Detokenizer, make_detokenizer
 from .model_thread import ModelThread
 from .params import SamplingParams
 from .plan import SampledToken, StepRunner
@@ -316,6 +316,7 @@ class Engine:
         decode: Callable[[Sequence[int]], str],
         eos_token_ids: frozenset[int],
         token_bytes: Callable[[int], bytes] | None = None,
+        decode_table: Sequence[bytes] | None = None,
         config: EngineConfig = EngineConfig(),  # frozen, so one default is safe to share
         model_thread: ModelThread | None = None,
     ) -> None:
@@ -324,6 +325,9 @@ class Engine:
         # passes the thread that loaded the model.
         self._model_thread = model_thread if model_thread is not None else ModelThread()
         self._decode = decode
+        # Each id's bytes in decode's output, where decode is their concatenation
+        # (Tokenizer.decode_table): streams then detokenize without calling decode.
+        self._decode_table = decode_table
         self._token_bytes = token_bytes
         self.config = config
         self.max_context = min(config.max_context or runner.max_context, runner.max_context)
@@ -746,7 +750,7 @@ class _WatchdogFired(Exception):
 class _SampleText:
     """Text state of one sample: detokenizer, stop strings, tokens not yet in a delta."""
 
-    detokenizer: IncrementalDetokenizer
+    detokenizer: Detokenizer
     stops: StopStringMatcher | None
     completion_tokens: int = 0
     finished: bool = False
@@ -780,7 +784,7 @@ class RequestStream:
         self._want_logprobs = params.logprobs is not None
         self._samples = [
             _SampleText(
-                IncrementalDetokenizer(engine._decode),
+                make_detokenizer(engine._decode, engine._decode_table),
                 StopStringMatcher(params.stop) if params.stop else None,
             )
             for _ in range(params.n)

@@ -204,6 +204,7 @@ class Tokenizer:
     __slots__ = (
         "_added_bytes",
         "_byte_level",
+        "_byte_level_only",
         "_eos_token",
         "_hf",
         "_post_adds_bos",
@@ -248,6 +249,7 @@ class Tokenizer:
         )
         decoder = json.loads(hf.to_str()).get("decoder") or {}
         self._byte_level = "ByteLevel" in json.dumps(decoder)
+        self._byte_level_only = decoder.get("type") == "ByteLevel"
         probe = hf.encode("", add_special_tokens=True).ids
         self._post_adds_bos = bool(probe) and probe[0] == bos_token_id
         if self.chat_template is not None:
@@ -456,6 +458,37 @@ class Tokenizer:
             except ValueError:
                 pass
         return piece.replace("▁", " ").encode()
+
+    def decode_table(self) -> list[bytes] | None:
+        """The bytes each id adds to :meth:`decode` (special tokens skipped, its default)
+        where ``decode(ids)`` is those bytes concatenated and read as UTF-8, invalid bytes
+        replaced: vocabularies whose decoder is byte-level BPE's alone (GPT-2's, SmolLM2's,
+        Llama 3's, Qwen's). ``None`` for any other, or where an entry does not give what
+        decoding its id alone gives. For :class:`~furnace_trio.detokenizer.ByteDetokenizer`;
+        one pass over the vocabulary (tens of milliseconds for 50,000 ids)."""
+        if not self._byte_level_only:
+            return None
+        hf = self._hf
+        texts = hf.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=True)
+        special = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+        table = _byte_decoder()
+        entries: list[bytes] = []
+        for token_id, text in enumerate(texts):
+            if token_id in special:
+                entry = b""
+            elif "\ufffd" not in text:
+                entry = text.encode()  # valid UTF-8: these are its bytes
+            else:  # part of a character: the byte-level decoder's own rule
+                piece = hf.id_to_token(token_id) or ""
+                if all(c in table for c in piece):
+                    entry = bytes(table[c] for c in piece)
+                else:
+                    entry = piece.encode()
+            if entry.decode("utf-8", errors="replace") != text:
+                logger.warning("token %d does not decode as its bytes; no decode table", token_id)
+                return None
+            entries.append(entry)
+        return entries
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a vocabulary entry given its text (e.g. ``"<|im_end|>"``), or ``None``."""
