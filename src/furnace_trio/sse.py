@@ -29,9 +29,13 @@ SSE_HEADERS = {
 _HOLE = "\ue000furnace-text\ue000"
 
 
+#: ``json.dumps`` with options builds a new encoder for every call; this one is built once.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
 def dumps(value: object) -> str:
     """Compact JSON, UTF-8 kept as is (the body is encoded as UTF-8 once)."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    return _ENCODER.encode(value)
 
 
 def sse_event(value: object) -> bytes:
