@@ -462,10 +462,11 @@ class Tokenizer:
     def decode_table(self) -> list[bytes] | None:
         """The bytes each id adds to :meth:`decode` (special tokens skipped, its default)
         where ``decode(ids)`` is those bytes concatenated and read as UTF-8, invalid bytes
-        replaced: vocabularies whose decoder is byte-level BPE's alone (GPT-2's, SmolLM2's,
-        Llama 3's, Qwen's). ``None`` for any other, or where an entry does not give what
-        decoding its id alone gives. For :class:`~furnace_trio.detokenizer.ByteDetokenizer`;
-        one pass over the vocabulary (tens of milliseconds for 50,000 ids)."""
+        replaced: vocabularies whose decoder is byte-level BPE's alone (GPT-2's and
+        SmolLM2's, for example). ``None`` for any other, or where an entry does not give
+        what decoding its id alone gives. For
+        :class:`~furnace_trio.detokenizer.ByteDetokenizer`; one pass over the vocabulary
+        (about 50 ms for SmolLM2's 49,152 ids)."""
         if not self._byte_level_only:
             return None
         hf = self._hf
