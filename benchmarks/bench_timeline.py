@@ -23,8 +23,11 @@ the stages of a token, by wrapping, in this process only:
 Every event is placed after the step end that precedes it; the table gives, per stage, the
 median over steps of its first occurrence in microseconds after the step end (and of its
 last occurrence, where a step has one per stream), and below it the median step and gap
-(the gap: from one step's end to the next step's start). The wrappers cost a few
-microseconds per stage; both sides carry them.
+(the gap: from one step's end to the next step's start), and the median gap before a step
+that has a prompt chunk: at one stream, the model's wait between a request's last token
+and the next request's prefill (the client's next request, the HTTP stack, parsing,
+rendering, tokenizing). The wrappers cost a few microseconds per stage; both sides carry
+them.
 
     python benchmarks/bench_timeline.py [--streams 1,16] [--requests 4] [--max-tokens 64]
 """
@@ -77,6 +80,8 @@ def instrument(runner: ModelRunner, model_thread_id: int) -> None:
     step = runner.step
 
     def timed_step(plan: StepPlan) -> Any:
+        if any(len(chunk.token_ids) > 1 for chunk in plan.chunks):
+            mark("prompt step")  # the step about to start has a prompt chunk
         mark("step start")
         try:
             return step(plan)
@@ -118,11 +123,15 @@ def instrument(runner: ModelRunner, model_thread_id: int) -> None:
 
 def timeline(recorded: list[tuple[str, float]]) -> dict[str, Any]:
     """Per stage, the medians of its first and last offsets after each step end; with the
-    step and gap medians (only gaps under 50 ms: longer ones are idle between requests)."""
+    step and gap medians (only gaps under 50 ms: longer ones are idle between requests),
+    and the median gap before a step with a prompt chunk (at one stream: how long the
+    model waits between one request's last token and the next request's prefill)."""
     first: dict[str, list[float]] = {s: [] for s in STAGES}
     last: dict[str, list[float]] = {s: [] for s in STAGES}
     steps: list[float] = []
     gaps: list[float] = []
+    prompt_gaps: list[float] = []
+    prompt_next = False
     end: float | None = None
     start: float | None = None
     seen: dict[str, float] = {}
@@ -138,10 +147,16 @@ def timeline(recorded: list[tuple[str, float]]) -> dict[str, Any]:
             close()
             end, seen = at, {}
             continue
+        if stage == "prompt step":
+            prompt_next = True
+            continue
         if stage == "step start":
             start = at
             if end is not None and at - end < 0.05:
                 gaps.append(at - end)
+            if end is not None and prompt_next:
+                prompt_gaps.append(at - end)
+            prompt_next = False
         if end is None:
             continue
         offset = (at - end) * 1e6
@@ -158,6 +173,7 @@ def timeline(recorded: list[tuple[str, float]]) -> dict[str, Any]:
         "last": {s: median(v) for s, v in last.items()},
         "step": median(steps),
         "gap": median(gaps),
+        "prompt gap": median(prompt_gaps),
     }
 
 
@@ -179,7 +195,11 @@ def report(streams: int, sides: dict[str, dict[str, Any]]) -> None:
             both = cell(a) if a is None or b is None or abs(b - a) < 1 else f"{a:.0f} / {b:.0f}"
             cells.append(both)
         print(f"| {stage} | " + " | ".join(cells) + " |")
-    for key, label in (("step", "**step** (start to end)"), ("gap", "**gap** (end to next start)")):
+    for key, label in (
+        ("step", "**step** (start to end)"),
+        ("gap", "**gap** (end to next start)"),
+        ("prompt gap", "**gap before a step with a prompt chunk**"),
+    ):
         print(f"| {label} | " + " | ".join(cell(s[key], 1e6) for s in sides.values()) + " |")
 
 
