@@ -4,8 +4,8 @@ Both servers run at once on loopback, each with both cores (``llama-server -t N 
 for N visible cores; furnace-trio as users run it, ``hypercorn furnace_trio.app:app``,
 ``FURNACE_QUANT`` per ``--quant``, default q4: what ``auto`` runs), serving the default
 model's file (SmolLM2-135M-Instruct, Q4_1). Both decode at most ``--slots`` sequences at
-once (default 16: furnace-trio's default ``FURNACE_MAX_RUNNING`` on the CPU, and the 16
-slots the issue ran llama.cpp's server with): llama-server gets that many slots, each
+once (default 16: the 16 slots the issue ran llama.cpp's server with; furnace-trio's own
+default ``FURNACE_MAX_RUNNING`` on the CPU is 32): llama-server gets that many slots, each
 with room for ``--slot-ctx`` tokens, and furnace-trio ``FURNACE_MAX_RUNNING``. Continuous
 batching and prompt caching are on by default in both, and both keep a float16 KV cache.
 
