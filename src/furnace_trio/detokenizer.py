@@ -44,13 +44,34 @@ REPLACEMENT_CHAR = "\ufffd"
 MAX_PENDING_TOKENS = 16
 
 
-class _Fragments:
-    """The ids fed and the text emitted, kept by both detokenizers."""
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into a stream of text fragments.
 
-    __slots__ = ("_emitted", "_ids")
+    Invariants: a fragment never contains a partial character (a trailing U+FFFD that
+    more bytes may complete is held back, while the complete text before it is emitted
+    at once); after :meth:`flush`, the concatenation of all fragments equals
+    ``decode(all ids)`` for any decoder whose output for a window of ids depends only on
+    that window and that replaces invalid UTF-8 like ``bytes.decode(errors="replace")``
+    (``tokenizers`` and Python do); :attr:`text` is that concatenation so far.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = (
+        "_decode",
+        "_emitted",
+        "_ids",
+        "_pending_emitted",
+        "_prefix_offset",
+        "_prefix_text",
+        "_read_offset",
+    )
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+        self._decode = decode
         self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._prefix_text = ""  # decode(ids[prefix_offset:read_offset])
+        self._pending_emitted = 0  # chars past prefix_text already emitted
         self._emitted: list[str] = []
 
     @property
@@ -64,28 +85,6 @@ class _Fragments:
     def token_ids(self) -> Sequence[int]:
         """The ids fed so far (read-only view by convention)."""
         return self._ids
-
-
-class IncrementalDetokenizer(_Fragments):
-    """Turns a stream of token ids into a stream of text fragments.
-
-    Invariants: a fragment never contains a partial character (a trailing U+FFFD that
-    more bytes may complete is held back, while the complete text before it is emitted
-    at once); after :meth:`flush`, the concatenation of all fragments equals
-    ``decode(all ids)`` for any decoder whose output for a window of ids depends only on
-    that window and that replaces invalid UTF-8 like ``bytes.decode(errors="replace")``
-    (``tokenizers`` and Python do); :attr:`text` is that concatenation so far.
-    """
-
-    __slots__ = ("_decode", "_pending_emitted", "_prefix_offset", "_prefix_text", "_read_offset")
-
-    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
-        super().__init__()
-        self._decode = decode
-        self._prefix_offset = 0
-        self._read_offset = 0
-        self._prefix_text = ""  # decode(ids[prefix_offset:read_offset])
-        self._pending_emitted = 0  # chars past prefix_text already emitted
 
     def feed(self, token_id: int) -> str:
         """Add one token; return the text it completes ("" while nothing new is complete)."""
@@ -135,15 +134,12 @@ class IncrementalDetokenizer(_Fragments):
 class Detokenizer(Protocol):
     """What the engine needs of a detokenizer (both classes here)."""
 
-    @property
-    def text(self) -> str: ...
-
     def feed(self, token_id: int) -> str: ...
 
     def flush(self) -> str: ...
 
 
-class ByteDetokenizer(_Fragments):
+class ByteDetokenizer:
     """:class:`IncrementalDetokenizer`'s contract for a decoder that reads the
     concatenated bytes of its tokens as UTF-8 (invalid bytes becoming U+FFFD, as
     ``bytes.decode(errors="replace")``): ``table[id]`` is the bytes of ``id`` (``b""``
@@ -151,32 +147,26 @@ class ByteDetokenizer(_Fragments):
 
     An incomplete character is held back only while more bytes can still complete it (at
     most three bytes); bytes that cannot become one are emitted as U+FFFD at once. After
-    :meth:`flush` the fragments are ``decode(all ids)``.
+    :meth:`flush` the fragments are ``decode(all ids)``. It keeps nothing else (no ids, no
+    text so far): the engine needs neither.
     """
 
     __slots__ = ("_decoder", "_table")
 
     def __init__(self, table: Sequence[bytes]) -> None:
-        super().__init__()
         self._table = table
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token_id: int) -> str:
         """Add one token; return the text it completes ("" while nothing new is complete)."""
-        self._ids.append(token_id)
         table = self._table
-        out = self._decoder.decode(table[token_id] if 0 <= token_id < len(table) else b"")
-        if out:
-            self._emitted.append(out)
-        return out
+        return self._decoder.decode(table[token_id] if 0 <= token_id < len(table) else b"")
 
     def flush(self) -> str:
         """Return whatever is still pending (at the end of the generation), even if it
         ends in an incomplete character (then as U+FFFD)."""
         out = self._decoder.decode(b"", final=True)
         self._decoder.reset()
-        if out:
-            self._emitted.append(out)
         return out
 
 
