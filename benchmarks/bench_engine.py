@@ -33,7 +33,7 @@ from _common import (
     transformers_model,
 )
 
-from furnace_trio.backend import engine_config
+from furnace_trio.backend import build_engine
 from furnace_trio.config import ServerConfig
 from furnace_trio.engine import Delta, Engine, GenerationRequest
 from furnace_trio.loader import LoadedModel, load_model
@@ -112,16 +112,7 @@ def make_engine(
 ) -> Engine:
     """An engine as the server builds one on ``device``: the server's default settings
     (not :class:`EngineConfig`'s own), every step on ``thread``."""
-    tok = loaded.tokenizer
-    return Engine(
-        runner,
-        decode=tok.decode,
-        eos_token_ids=tok.eos_token_ids,
-        token_bytes=tok.token_to_bytes,
-        decode_table=tok.decode_table(),
-        config=engine_config(ServerConfig(), device),
-        model_thread=thread,
-    )
+    return build_engine(runner, loaded.tokenizer, ServerConfig(), device, thread)
 
 
 async def run_engine(

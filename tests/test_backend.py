@@ -1,9 +1,19 @@
-"""How the server's settings become the engine's (no model is loaded)."""
+"""How the server's settings become the engine's (no model weights are loaded; the last test
+reads the default model's tokenizer)."""
 
 from __future__ import annotations
 
-from furnace_trio.backend import DEFAULT_LIMITS, engine_config
+import trio
+
+from furnace_trio.backend import DEFAULT_LIMITS, build_engine, engine_config
 from furnace_trio.config import ServerConfig
+from furnace_trio.detokenizer import ByteDetokenizer
+from furnace_trio.engine import Delta, GenerationRequest
+from furnace_trio.model_thread import ModelThread
+from furnace_trio.params import SamplingParams
+from furnace_trio.tokenizer import Tokenizer
+
+from . import scripted
 
 
 def test_engine_config_takes_the_server_settings() -> None:
@@ -33,3 +43,29 @@ def test_engine_config_fills_in_the_device_defaults() -> None:
         assert engine.stream_interval == 1
     # a max_running above the device's step budget raises the budget with it
     assert engine_config(ServerConfig(max_running=600), "cpu").max_step_tokens == 600
+
+
+async def test_the_servers_engine_streams_through_the_decode_table(tokenizer: Tokenizer) -> None:
+    """build_engine (the server's, and the benchmarks') gives the engine the tokenizer's
+    decode table, so that streams detokenize without calling decode, and the server's
+    settings for the device."""
+    thread = ModelThread()
+    reply = tokenizer.encode("Paris, ça va 😀", add_special_tokens=False)
+    runner = scripted.ScriptedRunner(lambda prompt, index: reply)
+    engine = build_engine(runner, tokenizer, ServerConfig(max_running=3), "cpu", thread)
+    assert engine.config == engine_config(ServerConfig(max_running=3), "cpu")
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            params = SamplingParams(max_tokens=len(reply), ignore_eos=True)
+            text = ""
+            async with engine.submit(GenerationRequest((1, 2, 3), params)) as stream:
+                assert isinstance(stream._samples[0].detokenizer, ByteDetokenizer)
+                async for event in stream:
+                    if isinstance(event, Delta):
+                        text += event.text
+            engine.shutdown()
+            nursery.cancel_scope.cancel()
+    finally:
+        thread.close()
+    assert text == "Paris, ça va 😀"

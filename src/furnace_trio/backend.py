@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .config import ServerConfig
 from .engine import Engine, EngineConfig
 from .model_thread import ModelThread
-from .plan import ChunkPlan, StepPlan
+from .plan import ChunkPlan, StepPlan, StepRunner
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -87,6 +87,28 @@ def engine_config(config: ServerConfig, device_type: str) -> EngineConfig:
     )
 
 
+def build_engine(
+    runner: StepRunner,
+    tokenizer: Tokenizer,
+    config: ServerConfig,
+    device_type: str,
+    model_thread: ModelThread,
+) -> Engine:
+    """The server's engine over a loaded model: its tokenizer's decode (and decode table,
+    where it has one), EOS ids and token bytes, :func:`engine_config`'s settings, every
+    step on ``model_thread``. The benchmarks build theirs here too, so that they measure
+    the engine the server runs."""
+    return Engine(
+        runner,
+        decode=tokenizer.decode,
+        eos_token_ids=tokenizer.eos_token_ids,
+        token_bytes=tokenizer.token_to_bytes,
+        decode_table=tokenizer.decode_table(),
+        config=engine_config(config, device_type),
+        model_thread=model_thread,
+    )
+
+
 def load_backend(config: ServerConfig) -> Backend:
     """Load the configured model (default: the embedded SmolLM2) and build its engine."""
     from .loader import LoadedModel, load_model
@@ -118,15 +140,7 @@ def load_backend(config: ServerConfig) -> Backend:
         thread.close()
         raise
     tokenizer = loaded.tokenizer
-    engine = Engine(
-        runner,
-        decode=tokenizer.decode,
-        eos_token_ids=tokenizer.eos_token_ids,
-        token_bytes=tokenizer.token_to_bytes,
-        decode_table=tokenizer.decode_table(),
-        config=engine_config(config, device.type),
-        model_thread=thread,
-    )
+    engine = build_engine(runner, tokenizer, config, device.type, thread)
     logger.info("loaded %s in %.1f s", loaded.name, time.monotonic() - started)
     return Backend(
         engine=engine,
