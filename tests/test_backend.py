@@ -1,5 +1,5 @@
-"""How the server's settings become the engine's (no model weights are loaded; the last test
-reads the default model's tokenizer)."""
+"""How the server's settings become the engine's, and the engine the server builds over
+the default model's tokenizer (with a scripted runner: no model step runs)."""
 
 from __future__ import annotations
 
