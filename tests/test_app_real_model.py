@@ -84,6 +84,22 @@ async def test_completions_n2_seeded_and_logprobs_with_the_real_model() -> None:
         assert len(logprobs.token_logprobs) == len(logprobs.tokens or []) > 0
         assert all(v is not None and v <= 0 for v in logprobs.token_logprobs)
         assert logprobs.top_logprobs is not None and all(len(t) == 3 for t in logprobs.top_logprobs)
+
+        # A batch of prompts answers each as it would be answered alone (greedy; the CPU
+        # runtime's output does not depend on its batch).
+        prompts = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
+        alone = [
+            (await client.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0))
+            .choices[0]
+            .text
+            for p in prompts
+        ]
+        batch = await client.completions.create(
+            model=NAME, prompt=prompts, max_tokens=8, temperature=0
+        )
+        assert [c.index for c in batch.choices] == [0, 1, 2]
+        assert [c.text for c in batch.choices] == alone
+        assert len(set(alone)) == 3
         await _idle(engine)
 
 

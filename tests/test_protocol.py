@@ -14,6 +14,7 @@ from furnace_trio.protocol import (
     parse_completion_request,
     resolve_max_tokens,
 )
+from furnace_trio.schemas import MAX_PROMPTS
 
 VOCAB = 1000
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -168,11 +169,44 @@ def test_include_usage_needs_stream() -> None:
 
 @pytest.mark.parametrize(
     ("prompt", "expected"),
-    [("hello", "hello"), (["hello"], "hello"), ([1, 2, 3], (1, 2, 3)), ([[4, 5]], (4, 5))],
+    [
+        ("hello", ("hello",)),
+        (["hello"], ("hello",)),
+        ([1, 2, 3], ((1, 2, 3),)),
+        ([[4, 5]], ((4, 5),)),
+        (["a", "", "c"], ("a", "", "c")),
+        ([[4, 5], [6]], ((4, 5), (6,))),
+    ],
 )
 def test_completion_prompt_forms(prompt: Any, expected: Any) -> None:
     parsed = parse_completion_request(completion(prompt=prompt), vocab_size=VOCAB)
-    assert parsed.prompt == expected
+    assert parsed.prompts == expected
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([[4], []], "prompt[1] must be a non-empty list of token ids"),
+        ([[4], [5, "x"]], "prompt[1] token ids must be integers, not a string"),
+        ([[4], [VOCAB]], f"prompt[1] token id {VOCAB} is outside the vocabulary"),
+        (["a", 1], "prompt token ids must be integers, not a string"),
+        ([[1], "a"], "prompt token ids must be integers, not an array"),
+        (["a"] * (MAX_PROMPTS + 1), f"at most {MAX_PROMPTS} per request"),
+        ([[1]] * (MAX_PROMPTS + 1), f"at most {MAX_PROMPTS} per request"),
+    ],
+)
+def test_a_bad_batch_of_prompts_names_the_prompt(prompt: Any, message: str) -> None:
+    error = completion_error(completion(prompt=prompt))
+    assert error.param == "prompt" and message in error.message
+
+
+def test_every_prompt_of_a_batch_is_held_to_the_character_limit() -> None:
+    body = completion(prompt=["short", "x" * 101])
+    with pytest.raises(APIError) as info:
+        parse_completion_request(body, vocab_size=VOCAB, max_prompt_chars=100)
+    assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
+    parsed = parse_completion_request(body, vocab_size=VOCAB, max_prompt_chars=101)
+    assert parsed.prompts == ("short", "x" * 101)
 
 
 @pytest.mark.parametrize(
@@ -180,7 +214,7 @@ def test_completion_prompt_forms(prompt: Any, expected: Any) -> None:
     [
         ({"prompt": None}, "prompt"),
         ({"prompt": []}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", 1]}, "prompt"),
         ({"prompt": [1, True]}, "prompt"),
         ({"prompt": [1, VOCAB]}, "prompt"),
         ({"prompt": [-1]}, "prompt"),

@@ -40,7 +40,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +69,7 @@ from .errors import APIError, invalid_request
 from .grammar import GrammarCompiler, GrammarError
 from .metrics import render_metrics
 from .openapi import openapi_document
-from .params import TokenConstraint
+from .params import SamplingParams, TokenConstraint
 from .protocol import (
     ChatRequest,
     CompletionRequest,
@@ -80,6 +80,7 @@ from .protocol import (
 )
 from .sessions import SessionBusy, SessionNotFound, Turn, owner_of
 from .sse import DONE, SSE_HEADERS, Collector, Kind, dumps, sse_event
+from .stream_group import StreamGroup
 from .tool_prompt import prepare_tool_messages, template_supports_tools, tool_call_format
 from .tool_stream import ToolCallReady, ToolCallStream, render_fallback_metrics
 
@@ -584,11 +585,14 @@ def _register_routes(app: QuartTrio, state: ServerState) -> None:
             max_prompt_chars=max_prompt_chars(backend.max_context),
         )
         _check_model(backend, parsed.model)
-        if isinstance(parsed.prompt, str):
-            prompt_ids = await trio.to_thread.run_sync(_encode_prompt, backend, parsed.prompt)
+        prompts = parsed.prompts
+        if any(isinstance(prompt, str) for prompt in prompts):
+            prompt_ids = await trio.to_thread.run_sync(_encode_prompts, backend, prompts)
         else:
-            prompt_ids = parsed.prompt
-        return await _generate(backend, "completion", parsed, prompt_ids, "prompt")
+            prompt_ids = tuple(prompt for prompt in prompts if not isinstance(prompt, str))
+        return await _generate(
+            backend, "completion", parsed, prompt_ids, "prompt", nursery=app.nursery
+        )
 
 
 # -- sessions ------------------------------------------------------------------------------------
@@ -644,7 +648,7 @@ async def _chat(
         backend,
         "chat",
         parsed,
-        prompt_ids,
+        (prompt_ids,),
         "messages",
         _tool_stream(state, backend, parsed),
         constraint=constraint,
@@ -790,56 +794,55 @@ def _constraint(
     return None
 
 
-def _encode_prompt(backend: Backend, prompt: str) -> tuple[int, ...]:
-    return tuple(backend.tokenizer.encode(prompt, add_special_tokens=True))
+def _encode_prompts(
+    backend: Backend, prompts: Sequence[str | tuple[int, ...]]
+) -> tuple[tuple[int, ...], ...]:
+    """Token ids for every prompt: text is encoded, ids pass through."""
+    return tuple(
+        tuple(backend.tokenizer.encode(prompt, add_special_tokens=True))
+        if isinstance(prompt, str)
+        else prompt
+        for prompt in prompts
+    )
 
 
 async def _generate(
     backend: Backend,
     kind: Kind,
     parsed: ChatRequest | CompletionRequest,
-    prompt_ids: tuple[int, ...],
+    prompts: Sequence[tuple[int, ...]],
     prompt_param: str,
     tool_stream: Callable[[str, int], ToolCallStream] | None = None,
     constraint: TokenConstraint | None = None,
     *,
     turn: Turn | None = None,
+    nursery: trio.Nursery | None = None,
 ) -> Response:
-    if not prompt_ids:
-        raise invalid_request("the prompt is empty after tokenization", prompt_param)
-    max_tokens = resolve_max_tokens(
-        parsed.sampling.max_tokens,
-        prompt_tokens=len(prompt_ids),
-        max_context=backend.max_context,
-        default=None if kind == "chat" else COMPLETIONS_DEFAULT_MAX_TOKENS,
-        prompt_param=prompt_param,
-        max_tokens_param=parsed.sampling.max_tokens_param,
-    )
-    try:
-        params = parsed.sampling.to_params(max_tokens)
-        if constraint is not None:
-            params = dataclasses.replace(params, constraint=constraint)
-    except ValueError as exc:
-        raise invalid_request(str(exc)) from None
+    """Generate for one prompt, or for a batch of completions prompts (each its own engine
+    request, read together through a :class:`StreamGroup` whose tasks run in ``nursery``)."""
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    generations = [
+        GenerationRequest(
+            prompt_token_ids=prompt_ids,
+            params=_params(backend, kind, parsed, prompt_ids, prompt_param, constraint, which),
+            request_id=request_id if len(prompts) == 1 else f"{request_id}-{which}",
+            turn=turn,
+        )
+        for which, prompt_ids in enumerate(prompts)
+    ]
+    params = generations[0].params
     collector = Collector(
         kind=kind,
         response_id=request_id,
         model=backend.model_name,
         created=int(time.time()),
-        n=params.n,
-        prompt_tokens=len(prompt_ids),
+        n=params.n * len(prompts),
+        prompt_tokens=sum(len(prompt_ids) for prompt_ids in prompts),
         want_logprobs=params.logprobs is not None,
     )
-    stream = _submit(
-        backend,
-        GenerationRequest(
-            prompt_token_ids=prompt_ids, params=params, request_id=request_id, turn=turn
-        ),
-        prompt_param,
-    )
+    stream = _submit_all(backend, generations, prompt_param, nursery)
     timing = _Timing(request_id)
-    tools = tool_stream(request_id, params.n) if tool_stream is not None else None
+    tools = tool_stream(request_id, collector.n) if tool_stream is not None else None
     if parsed.stream:
         response = Response(
             _stream_body(stream, collector, timing, parsed.include_usage, tools, request.scope),
@@ -866,6 +869,75 @@ async def _generate(
     finally:
         stream.close()
         timing.log(collector)
+
+
+def _params(
+    backend: Backend,
+    kind: Kind,
+    parsed: ChatRequest | CompletionRequest,
+    prompt_ids: tuple[int, ...],
+    prompt_param: str,
+    constraint: TokenConstraint | None,
+    which: int,
+) -> SamplingParams:
+    """One prompt's sampling parameters (its ``max_tokens`` depends on its length); a
+    prompt of a batch is named in the error."""
+    try:
+        if not prompt_ids:
+            raise invalid_request("the prompt is empty after tokenization", prompt_param)
+        max_tokens = resolve_max_tokens(
+            parsed.sampling.max_tokens,
+            prompt_tokens=len(prompt_ids),
+            max_context=backend.max_context,
+            default=None if kind == "chat" else COMPLETIONS_DEFAULT_MAX_TOKENS,
+            prompt_param=prompt_param,
+            max_tokens_param=parsed.sampling.max_tokens_param,
+        )
+        try:
+            params = parsed.sampling.to_params(max_tokens)
+        except ValueError as exc:
+            raise invalid_request(str(exc)) from None
+    except APIError as exc:
+        if not isinstance(parsed, CompletionRequest) or len(parsed.prompts) == 1:
+            raise
+        raise APIError(
+            exc.status,
+            f"prompt[{which}]: {exc.message}",
+            param=exc.param,
+            code=exc.code,
+            error_type=exc.error_type,
+            headers=exc.headers,
+        ) from None
+    if constraint is not None:
+        params = dataclasses.replace(params, constraint=constraint)
+    return params
+
+
+def _submit_all(
+    backend: Backend,
+    generations: Sequence[GenerationRequest],
+    param: str,
+    nursery: trio.Nursery | None,
+) -> RequestStream | StreamGroup:
+    """Submit every request, or none: one that the engine refuses closes (aborts) those
+    already submitted."""
+    if len(generations) == 1:
+        return _submit(backend, generations[0], param)
+    assert nursery is not None, "a batch of prompts is read in a nursery"
+    streams: list[RequestStream] = []
+    try:
+        for generation in generations:
+            streams.append(_submit(backend, generation, param))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return StreamGroup(
+        streams,
+        generations[0].params.n,
+        [len(generation.prompt_token_ids) for generation in generations],
+        nursery,
+    )
 
 
 def _failure_error(failed: Failed) -> APIError:
@@ -903,7 +975,7 @@ def _admit(event: Admitted, collector: Collector, timing: _Timing) -> None:
 
 
 async def _stream_body(
-    stream: RequestStream,
+    stream: RequestStream | StreamGroup,
     collector: Collector,
     timing: _Timing,
     include_usage: bool,
@@ -921,7 +993,7 @@ async def _stream_body(
         # Everything before this point has been sent: from here the deltas may go out
         # from the engine's task (the fast lane), in order with what this sends.
         direct = scope.get(FAST_LANE_KEY) if scope is not None else None
-        if isinstance(direct, DirectSend) and tools is None:
+        if isinstance(direct, DirectSend) and tools is None and isinstance(stream, RequestStream):
             stream.attach_fast_lane(
                 _fast_lane_sink(stream, direct, collector, timing, include_usage)
             )

@@ -36,6 +36,7 @@ from .schemas import (
     MAX_JSON_DEPTH,
     MAX_LOGIT_BIAS,
     MAX_MESSAGES,
+    MAX_PROMPTS,
     MAX_STOP_LENGTH,
     MAX_STOP_SEQUENCES,
     FieldSpec,
@@ -191,10 +192,11 @@ class ResponseFormat:
 
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
-    """A validated ``/v1/completions`` body: ``prompt`` is text or token ids, never empty."""
+    """A validated ``/v1/completions`` body: ``prompts`` holds one or more prompts (up to
+    ``MAX_PROMPTS``), each text or token ids, never an empty list of ids."""
 
     model: str | None
-    prompt: str | tuple[int, ...]
+    prompts: tuple[str | tuple[int, ...], ...]
     sampling: SamplingOptions
     stream: bool = False
     include_usage: bool = False
@@ -290,9 +292,14 @@ def parse_completion_request(
 ) -> CompletionRequest:
     """Validate a (legacy) completions body; raise a 400 :class:`APIError` naming the field."""
     data = _Body(parse_json_body(body), COMPLETION_FIELDS)
-    prompt = _prompt(data.raw("prompt"), vocab_size)
-    if isinstance(prompt, str) and max_prompt_chars is not None and len(prompt) > max_prompt_chars:
-        raise _too_long("prompt", len(prompt), max_prompt_chars)
+    prompts = _prompts(data.raw("prompt"), vocab_size)
+    for prompt in prompts:
+        if (
+            isinstance(prompt, str)
+            and max_prompt_chars is not None
+            and len(prompt) > max_prompt_chars
+        ):
+            raise _too_long("prompt", len(prompt), max_prompt_chars)
     logprobs = data.get("logprobs")
     echo = data.raw("echo")
     if echo is not None and _check_bool("echo", echo):
@@ -305,7 +312,7 @@ def parse_completion_request(
     stream, include_usage = _stream(data)
     return CompletionRequest(
         model=data.get("model") or None,
-        prompt=prompt,
+        prompts=prompts,
         sampling=_sampling(
             data,
             max_tokens=data.get("max_tokens"),
@@ -786,34 +793,45 @@ def _content(value: object, where: str) -> str:
     return "".join(texts)
 
 
-def _prompt(value: object, vocab_size: int) -> str | tuple[int, ...]:
+def _prompts(value: object, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
+    """The prompts of a completions body: a string, a list of strings, token ids, or a list
+    of lists of token ids (OpenAI's four forms)."""
     if value is _MISSING or value is None:
         raise invalid_request("prompt is required", "prompt")
     if isinstance(value, str):
-        return value
+        return (value,)
     if not isinstance(value, list) or not value:
         raise invalid_request(
-            "prompt must be a string, a list of one string, or a non-empty list of token ids",
+            "prompt must be a string, a list of strings, a non-empty list of token ids, or "
+            "a list of such lists",
             "prompt",
         )
-    if len(value) == 1 and isinstance(value[0], str):
-        return value[0]
-    if len(value) == 1 and isinstance(value[0], list):
-        if not value[0] or not all(isinstance(item, int) for item in value[0]):
-            raise invalid_request(
-                "a prompt nested in a list must be a non-empty list of token ids", "prompt"
-            )
-        return _prompt(value[0], vocab_size)
-    if all(isinstance(item, str) for item in value):
-        raise invalid_request("only one prompt per request is supported", "prompt")
-    if all(isinstance(item, list) for item in value):
-        raise invalid_request("only one prompt per request is supported", "prompt")
+    strings = all(isinstance(item, str) for item in value)
+    lists = not strings and all(isinstance(item, list) for item in value)
+    if not (strings or lists):
+        return (_token_ids(value, vocab_size, "prompt"),)
+    if len(value) > MAX_PROMPTS:
+        raise invalid_request(
+            f"prompt holds {len(value)} prompts; at most {MAX_PROMPTS} per request", "prompt"
+        )
+    if strings:
+        return tuple(value)
+    return tuple(_token_ids(item, vocab_size, f"prompt[{i}]") for i, item in enumerate(value))
+
+
+def _token_ids(value: list[Any], vocab_size: int, where: str) -> tuple[int, ...]:
+    """A prompt given as token ids (``where`` names it in messages; the param is
+    ``prompt``)."""
+    if not value:
+        raise invalid_request(f"{where} must be a non-empty list of token ids", "prompt")
     for item in value:
         if isinstance(item, bool) or not isinstance(item, int):
-            raise invalid_request(f"prompt token ids must be integers, not {_kind(item)}", "prompt")
+            raise invalid_request(
+                f"{where} token ids must be integers, not {_kind(item)}", "prompt"
+            )
         if not 0 <= item < vocab_size:
             raise invalid_request(
-                f"prompt token id {item} is outside the vocabulary (0..{vocab_size - 1})",
+                f"{where} token id {item} is outside the vocabulary (0..{vocab_size - 1})",
                 "prompt",
             )
     return tuple(value)

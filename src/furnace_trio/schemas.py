@@ -21,6 +21,8 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 MAX_N = 16
+#: Most prompts in one ``/v1/completions`` request (each is its own engine request).
+MAX_PROMPTS = 128
 MAX_STOP_SEQUENCES = 16
 #: Longest stop string, in characters: the stop matcher holds back up to this much text.
 MAX_STOP_LENGTH = 512
@@ -305,17 +307,24 @@ COMPLETION_FIELDS: Mapping[str, FieldSpec] = _table(
     FieldSpec(
         "prompt",
         "structured",
-        "The prompt: a string, a list of one string, token ids, or a list of one list of ids.",
+        "The prompt, or a batch of prompts: a string, a list of strings, token ids, or a "
+        f"list of lists of token ids (at most {MAX_PROMPTS} prompts). Choice i * n + j is "
+        "sample j of prompt i.",
         required=True,
         schema={
             "anyOf": [
                 {"type": "string"},
-                {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
+                {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": MAX_PROMPTS,
+                    "items": {"type": "string"},
+                },
                 {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
                 {
                     "type": "array",
                     "minItems": 1,
-                    "maxItems": 1,
+                    "maxItems": MAX_PROMPTS,
                     "items": {
                         "type": "array",
                         "minItems": 1,
