@@ -112,7 +112,7 @@ class _Plan:
     path: str
     body: dict[str, Any]
     stream: bool
-    n: int
+    n: int  # choices in the response: n times the prompts of a batch
     disconnect: Disconnect
     session: str | None
     label: str
@@ -141,6 +141,9 @@ def _plan(rng: random.Random, client: int, turn: int, max_tokens: int) -> _Plan:
     else:
         body["prompt"] = prompt
         path = "/v1/completions"
+        if rng.random() < 0.25:  # a batch of prompts: one engine request each
+            body["prompt"] = [prompt, *rng.sample(PROMPTS, rng.randint(1, 2))]
+    batch = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
     roll = rng.random()
     disconnect = Disconnect.NONE
     if roll < 0.06:
@@ -151,8 +154,8 @@ def _plan(rng: random.Random, client: int, turn: int, max_tokens: int) -> _Plan:
         disconnect = Disconnect.MID_STREAM
     label = f"{'chat' if chat else 'completion'}{'-stream' if stream else ''}"
     label += f"{'-n2' if n > 1 else ''}{'-session' if session else ''}"
-    label += "-stop" if "stop" in body else ""
-    return _Plan(path, body, stream, n, disconnect, session, label)
+    label += f"{'-batch' if batch > 1 else ''}{'-stop' if 'stop' in body else ''}"
+    return _Plan(path, body, stream, n * batch, disconnect, session, label)
 
 
 def _complete_body(body: dict[str, Any], n: int) -> bool:
