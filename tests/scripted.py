@@ -14,6 +14,7 @@ decodes to nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -88,6 +89,8 @@ class ScriptedRunner:
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self._sample_index: dict[int, int] = {}
         self.released: set[int] = set()
+        #: Prompt scores by prompt sequence (see prompt_score), as the runner keeps them.
+        self.scores: dict[int, list[SampledToken]] = {}
 
     @property
     def block_size(self) -> int:
@@ -124,6 +127,9 @@ class ScriptedRunner:
                 self.kv[chunk.block_table[pos // bs]][pos % bs] = token
         out: list[SampledToken] = []
         for chunk in plan.chunks:
+            self.scores.setdefault(chunk.seq_id, []).extend(
+                prompt_score(chunk.seq_id, t, chunk.score_top) for t in chunk.score_ids
+            )
             end = chunk.start_pos + len(chunk.token_ids)
             context = [chunk_token(self.kv, chunk.block_table, p, bs) for p in range(end)]
             for i, spec in enumerate(chunk.samples):
@@ -131,7 +137,11 @@ class ScriptedRunner:
                 if context != expected:
                     raise KVMismatch(f"seq {spec.seq_id}: cache {context} != {expected}")
                 index = self._sample_index.setdefault(spec.seq_id, i)
-                out.append(self._sample(spec, index))
+                token = self._sample(spec, index)
+                if spec.params.prompt_logprobs is not None and not spec.output_token_ids:
+                    scores = tuple(self.scores.get(chunk.seq_id, ()))
+                    token = dataclasses.replace(token, prompt_logprobs=scores)
+                out.append(token)
         self.released.update(plan.released)
         return out
 
@@ -144,6 +154,14 @@ class ScriptedRunner:
             return SampledToken(seq_id, token)
         top = tuple(TokenLogprob(token + j, -0.5 - j) for j in range(params.logprobs))
         return SampledToken(seq_id, token, -0.5, top)
+
+
+def prompt_score(seq_id: int, token_id: int, top: int) -> SampledToken:
+    """The scripted score of a prompt token: its logprob ``-token_id / 100``, and ``top``
+    alternatives (the token itself first, then the next ids, each 1 less likely)."""
+    logprob = -token_id / 100
+    alternatives = tuple(TokenLogprob(token_id + j, logprob - j) for j in range(top))
+    return SampledToken(seq_id, token_id, logprob, alternatives)
 
 
 def chunk_token(kv: list[list[int | None]], table: Sequence[int], pos: int, bs: int) -> int | None:

@@ -610,3 +610,69 @@ def test_rms_norm_is_the_float32_formula_rounded_once_to_its_dtype(dtype: torch.
     assert out.dtype == dtype
     half_ulp = torch.finfo(dtype).eps / 2
     torch.testing.assert_close(out.double(), exact, rtol=max(half_ulp, 1e-6), atol=0)
+
+
+def test_prompt_scores_are_the_models_logprobs_of_each_next_prompt_token(
+    tiny: tuple[ModelRunner, torch.nn.Module, int],
+) -> None:
+    """A scored prompt in two chunks (40 tokens on the chunk path, then 10 as one-token
+    rows where the native kernels run), beside another sequence's prefill: its first
+    sampled token carries the logprob of every prompt token after the first, and the top
+    alternatives, as transformers computes them; later tokens carry none."""
+    runner, ref, vocab = tiny
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab, (50,), generator=gen).tolist()
+    other = torch.randint(0, vocab, (5,), generator=gen).tolist()
+    expected = torch.log_softmax(_ref_logits(ref, ids), dim=-1)
+    scored = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)
+
+    def spec(seq_id: int, prompt: list[int], params: SamplingParams) -> SampleSpec:
+        return SampleSpec(seq_id, params, tuple(prompt), ())
+
+    table = _table(0)
+    first = runner.step(
+        StepPlan(
+            (
+                ChunkPlan(1, tuple(ids[:40]), 0, table, score_ids=tuple(ids[1:41]), score_top=2),
+                ChunkPlan(
+                    2,
+                    tuple(other),
+                    0,
+                    _table(20, 2),
+                    samples=(spec(2, other, SamplingParams(temperature=0)),),
+                ),
+            )
+        )
+    )
+    assert [t.seq_id for t in first] == [2] and first[0].prompt_logprobs is None
+    last = ChunkPlan(
+        1,
+        tuple(ids[40:]),
+        40,
+        table,
+        samples=(spec(1, ids, scored),),
+        score_ids=tuple(ids[41:]),
+        score_top=2,
+    )
+    (token,) = runner.step(StepPlan((last,)))
+    scores = token.prompt_logprobs
+    assert scores is not None
+    assert [s.token_id for s in scores] == ids[1:]
+    got = torch.tensor([s.logprob for s in scores])
+    want = expected[torch.arange(49), torch.tensor(ids[1:])]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for pos, s in enumerate(scores):
+        top_ids = [t.token_id for t in s.top_logprobs]
+        top_values = torch.tensor([t.logprob for t in s.top_logprobs])
+        torch.testing.assert_close(top_values, expected[pos].topk(2).values, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(expected[pos][top_ids], top_values, atol=1e-4, rtol=1e-4)
+    assert token.token_id == int(expected[49].argmax())
+    follow = ChunkPlan(
+        1,
+        (token.token_id,),
+        50,
+        table,
+        samples=(SampleSpec(1, scored, tuple(ids), (token.token_id,)),),
+    )
+    (after,) = runner.step(StepPlan((follow,)))
+    assert after.prompt_logprobs is None

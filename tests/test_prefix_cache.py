@@ -109,6 +109,31 @@ def test_repeated_prompt_starts_after_the_cached_blocks() -> None:
     assert s.prefix_queries == 20 and s.prefix_hits == 8
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_scored_prompt_is_computed_whole_each_position_scoring_the_next_token(n: int) -> None:
+    s = Scheduler(
+        BlockPool(64, 4), max_running=4, max_step_tokens=4, max_context=1024, eos_token_ids={0}
+    )
+    prompt = list(range(1, 11))
+    s.add("a", prompt, SamplingParams(max_tokens=2))
+    run_to_end(s)
+    assert s.pool.num_cached >= 2
+    s.add("b", prompt, SamplingParams(max_tokens=2, prompt_logprobs=3, n=n))
+    chunks = []
+    while (step := s.schedule()) is not None:
+        chunks += step.plan.chunks
+        s.update(step, [SampledToken(x.seq_id, 7) for c in step.plan.chunks for x in c.samples])
+    prefill = [c for c in chunks if c.start_pos < len(prompt)]
+    assert prefill[0].start_pos == 0  # no prefix hit: every position is computed
+    assert [t for c in prefill for t in c.token_ids] == prompt
+    # Each position scores the prompt token after it, the last one excepted (it samples).
+    assert [t for c in prefill for t in c.score_ids] == prompt[1:]
+    assert all(len(c.score_ids) == len(c.token_ids) for c in prefill[:-1])
+    assert {c.score_top for c in prefill} == {3}
+    decodes = [c for c in chunks if c.start_pos >= len(prompt)]
+    assert decodes and all(c.score_ids == () for c in decodes)
+
+
 def test_a_fully_cached_prompt_still_computes_its_last_block() -> None:
     s = make()
     prompt = list(range(1, 9))  # exactly 2 blocks

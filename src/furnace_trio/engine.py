@@ -186,7 +186,7 @@ class TopLogprob:
 class LogprobEntry:
     token: str
     token_id: int
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token
     bytes: tuple[int, ...] | None
     top: tuple[TopLogprob, ...]
 
@@ -199,6 +199,9 @@ class Delta:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[LogprobEntry, ...]
+    #: With ``prompt_logprobs``, on the sample's first delta: the prompt's tokens after
+    #: the first, scored.
+    prompt_logprobs: tuple[LogprobEntry, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,13 +263,22 @@ class _Finish:
 
 
 @dataclass(frozen=True, slots=True)
+class _PromptScores:
+    """The scored prompt tokens of sample ``index`` (``prompt_logprobs``), before its first
+    token."""
+
+    index: int
+    scores: tuple[SampledToken, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class _Wake:
     """Wakes a stream's consumer for events its fast lane left it (no content)."""
 
 
 _WAKE = _Wake()
 
-_Message = Admitted | Failed | _Token | _Finish | _Wake
+_Message = Admitted | Failed | _Token | _Finish | _PromptScores | _Wake
 
 
 class _State(enum.Enum):
@@ -484,6 +496,10 @@ class Engine:
         self._wake.set()
         return len(request_ids)
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` as this engine's streams decode it."""
+        return self._decode(token_ids)
+
     @property
     def num_requests(self) -> int:
         """Requests accepted and not yet finished, failed or aborted."""
@@ -639,6 +655,9 @@ class Engine:
             request = self._requests.get(output.request_id)
             if request is None:
                 continue
+            scores = output.prompt_logprobs
+            if scores is not None and not self._send(request, _PromptScores(output.index, scores)):
+                continue
             if output.token is not None:
                 metrics.generation_tokens_total += 1
                 if request.first_token_at is None:
@@ -756,6 +775,7 @@ class _SampleText:
     finished: bool = False
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
+    prompt_logprobs: tuple[LogprobEntry, ...] | None = None  # for the next delta
 
 
 class RequestStream:
@@ -914,6 +934,9 @@ class RequestStream:
             self._on_tokens(message.index, message.tokens)
         elif isinstance(message, _Finish):
             self._on_finish(message.index, message.reason.value)
+        elif isinstance(message, _PromptScores):
+            sample = self._samples[message.index]
+            sample.prompt_logprobs = tuple(self._logprob_entry(t) for t in message.scores)
         elif isinstance(message, Failed):
             self._done = True
             self._ready.append(message)
@@ -941,7 +964,7 @@ class RequestStream:
                     return
             texts.append(text)
         text = "".join(texts)
-        if text or self._want_logprobs:
+        if text or self._want_logprobs or sample.prompt_logprobs is not None:
             self._emit_delta(index, text)
 
     def _on_finish(self, index: int, reason: Literal["stop", "length"]) -> None:
@@ -967,7 +990,7 @@ class RequestStream:
 
     def _end_sample(self, index: int, text: str, reason: Literal["stop", "length"]) -> None:
         sample = self._samples[index]
-        if text or sample.token_ids:
+        if text or sample.token_ids or sample.prompt_logprobs is not None:
             self._emit_delta(index, text)
         sample.finished = True
         self._ready.append(Finished(index, reason, sample.completion_tokens))
@@ -979,9 +1002,18 @@ class RequestStream:
         if self.turn is not None and index == 0:
             self._reply.append(text)
         sample = self._samples[index]
-        self._ready.append(Delta(index, text, tuple(sample.token_ids), tuple(sample.logprobs)))
+        self._ready.append(
+            Delta(
+                index,
+                text,
+                tuple(sample.token_ids),
+                tuple(sample.logprobs),
+                sample.prompt_logprobs,
+            )
+        )
         sample.token_ids.clear()
         sample.logprobs.clear()
+        sample.prompt_logprobs = None
 
     def _logprob_entry(self, token: SampledToken) -> LogprobEntry:
         top = tuple(

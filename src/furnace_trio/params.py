@@ -33,6 +33,8 @@ class SamplingParams:
     the chosen token's logprob only; ``k > 0`` adds the ``k`` most likely alternatives.
     ``n`` samples share one prefill of the prompt. ``seed`` gives the request its own
     generator, so the same request with the same seed yields the same tokens.
+    ``prompt_logprobs`` (as ``logprobs``) scores every prompt token after the first: the
+    prompt is then computed whole, without the prefix cache.
     """
 
     max_tokens: int = 16
@@ -46,6 +48,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = field(default_factory=_empty_bias)
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -69,6 +72,8 @@ class SamplingParams:
             raise ValueError("n must be at least 1")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError("logprobs must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError("prompt_logprobs must be >= 0")
 
     @property
     def greedy(self) -> bool:

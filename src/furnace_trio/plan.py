@@ -45,6 +45,12 @@ class ChunkPlan:
     least every one of those positions. ``samples`` is empty for a prefill chunk that is
     not the prompt's last; ``n > 1`` requests sample several children (each with its own
     seq id) from one chunk's logits.
+
+    ``score_ids`` (a request with ``prompt_logprobs``) are the prompt tokens that this
+    chunk's positions predict, in order from its first position: the tokens after each of
+    its tokens, up to the prompt's end. The runner gives their logprobs (and the
+    ``score_top`` most likely alternatives) with the prompt's sampled tokens, in
+    :attr:`SampledToken.prompt_logprobs`.
     """
 
     seq_id: int
@@ -52,6 +58,8 @@ class ChunkPlan:
     start_pos: int
     block_table: tuple[int, ...]
     samples: tuple[SampleSpec, ...] = ()
+    score_ids: tuple[int, ...] = ()
+    score_top: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +95,9 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: tuple[TokenLogprob, ...] = ()
+    #: With ``prompt_logprobs``, on the first token of each sample: every prompt token
+    #: after the first, scored (``seq_id`` is the prompt's sequence).
+    prompt_logprobs: tuple[SampledToken, ...] | None = None
 
 
 class StepRunner(Protocol):

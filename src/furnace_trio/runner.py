@@ -22,7 +22,7 @@ from .cuda_graphs import DecodeGraphs
 from .loader import LoadedModel
 from .model import KVCache, Linear, StepInputs, Transformer
 from .model_config import ModelConfig
-from .plan import ChunkPlan, SampledToken, SampleSpec, StepPlan
+from .plan import ChunkPlan, SampledToken, SampleSpec, StepPlan, TokenLogprob
 from .quant import FourBit, quantize_linears, resolve_quantization
 from .sampling import GeneratorStore, sample
 
@@ -175,6 +175,8 @@ class ModelRunner:
                 capture=self.device.type == "cuda",
             )
         self.generators = GeneratorStore(self.device)
+        # Scores of prompts being prefilled, by prompt sequence (see ChunkPlan.score_ids).
+        self._prompt_scores: dict[int, list[SampledToken]] = {}
         logger.info(
             "runner: %s on %s/%s (%s), %d KV blocks of %d tokens (%s, %.0f MiB), context %d",
             config.architecture,
@@ -212,11 +214,13 @@ class ModelRunner:
                 torch.cuda.set_device(self.device)
             for seq_id in plan.released:
                 self.generators.release(seq_id)
+                self._prompt_scores.pop(seq_id, None)
             self.cache.copy_blocks(plan.block_copies)
             if not plan.chunks:
                 return []
             logits = None
-            if self.graphs is not None and self.graphs.accepts(plan):
+            scoring = any(chunk.score_ids for chunk in plan.chunks)
+            if self.graphs is not None and not scoring and self.graphs.accepts(plan):
                 logits = self.graphs.run(plan)
             if logits is None:
                 logits = self._forward(plan)
@@ -224,6 +228,9 @@ class ModelRunner:
             rows: list[int] = []
             row = 0
             for chunk in plan.chunks:
+                if chunk.score_ids:
+                    self._score(chunk, logits[row : row + len(chunk.score_ids)])
+                    row += len(chunk.score_ids)
                 if chunk.samples:
                     specs.extend(chunk.samples)
                     rows.extend([row] * len(chunk.samples))
@@ -233,7 +240,47 @@ class ModelRunner:
             if rows != list(range(logits.shape[0])):  # n > 1 samples share their row
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             generators = [self.generators.get(s.seq_id, s.params.seed) for s in specs]
-            return sample(logits, specs, generators, self._kernels)
+            sampled = sample(logits, specs, generators, self._kernels)
+            return self._with_prompt_scores(plan, sampled)
+
+    def _score(self, chunk: ChunkPlan, logits: torch.Tensor) -> None:
+        """Keep the logprobs of the prompt tokens that ``chunk``'s positions predict (and
+        the most likely alternatives), from the model's own distribution, until the
+        prompt's samples are drawn."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        ids = torch.tensor(chunk.score_ids, device=logprobs.device)
+        chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+        top_values: list[list[float]] = [[] for _ in chosen]
+        top_ids: list[list[int]] = [[] for _ in chosen]
+        if chunk.score_top:
+            top = logprobs.topk(chunk.score_top, dim=-1)
+            top_values, top_ids = top.values.tolist(), top.indices.tolist()
+        self._prompt_scores.setdefault(chunk.seq_id, []).extend(
+            SampledToken(
+                chunk.seq_id,
+                token_id,
+                value,
+                tuple(TokenLogprob(i, v) for i, v in zip(alt_ids, alt_values, strict=True)),
+            )
+            for token_id, value, alt_ids, alt_values in zip(
+                chunk.score_ids, chosen, top_ids, top_values, strict=True
+            )
+        )
+
+    def _with_prompt_scores(
+        self, plan: StepPlan, sampled: list[SampledToken]
+    ) -> list[SampledToken]:
+        """The first tokens of scored prompts carry their prompt's scores."""
+        at = 0
+        for chunk in plan.chunks:
+            count = len(chunk.samples)
+            first = count and not chunk.samples[0].output_token_ids
+            if first and chunk.samples[0].params.prompt_logprobs is not None:
+                scores = tuple(self._prompt_scores.pop(chunk.seq_id, ()))
+                for i in range(at, at + count):
+                    sampled[i] = dataclasses.replace(sampled[i], prompt_logprobs=scores)
+            at += count
+        return sampled
 
     def capture_graphs(self, most: int) -> None:
         """With decode graphs: capture every batch size up to ``most`` sequences now (see
@@ -296,7 +343,8 @@ def build_inputs(
     """Flatten a plan's chunks into the tensors of :class:`StepInputs`.
 
     Logits are computed only for the last token of chunks that sample (or of every chunk
-    with ``all_rows``): the vocabulary projection is the largest matrix of a small model.
+    with ``all_rows``), and for the positions a chunk scores (``score_ids``, before its
+    sampling row): the vocabulary projection is the largest matrix of a small model.
 
     A chunk of at most ``split_upto`` tokens becomes that many rows of one token each, row
     ``i`` seeing the sequence up to its own token (context ``start_pos + i + 1``), as if
@@ -321,6 +369,7 @@ def build_inputs(
                 f"block table of sequence {chunk.seq_id} covers "
                 f"{len(chunk.block_table) * block_size} positions, needs {end}"
             )
+        first = len(ids)
         ids.extend(chunk.token_ids)
         table = chunk.block_table
         for pos in range(chunk.start_pos, end):
@@ -331,6 +380,9 @@ def build_inputs(
             context_lens.append(context)
             tables.append(table)
             starts.append(starts[-1] + n // len(rows))
+        # A scored chunk's positions first (each predicts the next prompt token), then
+        # the row it samples from, if any (its last position, which no score takes).
+        logit_rows.extend(range(first, first + len(chunk.score_ids)))
         if all_rows or chunk.samples:
             logit_rows.append(starts[-1] - 1)
     # A row of one token decodes (batched attention); a longer one is a prefill chunk.

@@ -158,6 +158,9 @@ class SampleOutput:
     index: int
     token: SampledToken | None
     finish: FinishReason | None
+    #: The prompt's scores (``prompt_logprobs``), with each sample's first token, even
+    #: one that is not output.
+    prompt_logprobs: tuple[SampledToken, ...] | None = None
 
 
 class Scheduler:
@@ -289,7 +292,10 @@ class Scheduler:
         if group is None:
             return False
         if group.prefill is not None and group.prefill.index is None:
-            self._drop_seq(group.prefill, release=False)  # the parent of n > 1
+            # The parent of n > 1; released to the runner only where it kept the prompt's
+            # scores (an abort between prompt chunks).
+            scored = group.params.prompt_logprobs is not None
+            self._drop_seq(group.prefill, release=scored)
             group.prefill = None
         for seq in group.samples:
             if seq.status is not SeqStatus.FINISHED:
@@ -449,7 +455,10 @@ class Scheduler:
         return seq
 
     def _match(self, group: Group) -> list[int]:
-        """Cached blocks of the prompt's longest cached prefix, short of its last token."""
+        """Cached blocks of the prompt's longest cached prefix, short of its last token
+        (none where the prompt is scored: every position must be computed)."""
+        if group.params.prompt_logprobs is not None:
+            return []
         usable = (len(group.prompt) - 1) // self.pool.block_size
         return self.pool.match(group.prompt_keys[:usable])
 
@@ -508,12 +517,16 @@ class Scheduler:
                 for s in targets
                 if s.status is SeqStatus.RUNNING
             )
+        top = group.params.prompt_logprobs
+        prompt = group.prompt
         return ChunkPlan(
             seq_id=seq.seq_id,
             token_ids=tuple(seq.token_ids[start:end]),
             start_pos=start,
             block_table=tuple(seq.block_table),
             samples=samples,
+            score_ids=() if top is None else prompt[start + 1 : min(end + 1, len(prompt))],
+            score_top=top or 0,
         )
 
     def _grow(self, seq: Seq, num_tokens: int) -> None:
@@ -569,14 +582,15 @@ class Scheduler:
         tid = token.token_id
         rid = seq.group.request_id
         index = seq.index if seq.index is not None else 0
+        scores = token.prompt_logprobs
         if (not params.ignore_eos and tid in self.eos_token_ids) or tid in params.stop_token_ids:
             self._finish_seq(seq, keep=True)
-            return SampleOutput(rid, index, None, FinishReason.STOP)
+            return SampleOutput(rid, index, None, FinishReason.STOP, scores)
         seq.token_ids.append(tid)
         if seq.num_output_tokens >= params.max_tokens:
             self._finish_seq(seq, keep=True)
-            return SampleOutput(rid, index, token, FinishReason.LENGTH)
-        return SampleOutput(rid, index, token, None)
+            return SampleOutput(rid, index, token, FinishReason.LENGTH, scores)
+        return SampleOutput(rid, index, token, None, scores)
 
     def _drop_seq(self, seq: Seq, *, release: bool) -> None:
         """Free a sequence's blocks and reservation; it leaves the running set."""
