@@ -9,12 +9,20 @@ from __future__ import annotations
 from typing import Any
 
 import openai
+import pytest
 import torch
 import trio
 
 from furnace_trio.engine import Engine
 
-from .real_model import NAME, QUESTION, check_paris_streamed_and_not, serve_real
+from .real_model import (
+    NAME,
+    QUESTION,
+    check_paris_streamed_and_not,
+    default_model,
+    default_runner,
+    serve_real,
+)
 
 
 async def _idle(engine: Engine) -> None:
@@ -100,6 +108,19 @@ async def test_completions_n2_seeded_and_logprobs_with_the_real_model() -> None:
         assert [c.index for c in batch.choices] == [0, 1, 2]
         assert [c.text for c in batch.choices] == alone
         assert len(set(alone)) == 3
+
+        # echo with logprobs: the prompt's tokens scored as the model scores them (a
+        # runner of its own computes the reference), then the greedy token's own.
+        ids = default_model().tokenizer.encode("The capital of France is")
+        scored = await client.completions.create(
+            model=NAME, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True
+        )
+        values = scored.choices[0].logprobs.token_logprobs  # type: ignore[union-attr]
+        assert values is not None and len(values) == len(ids) + 1 and values[0] is None
+        reference = torch.log_softmax(default_runner().prompt_logits(ids), dim=-1)
+        want = [reference[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+        assert values[1 : len(ids)] == pytest.approx(want, abs=1e-4)
+        assert values[-1] == pytest.approx(reference[-1].max().item(), abs=1e-4)
         await _idle(engine)
 
 

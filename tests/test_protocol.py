@@ -221,7 +221,7 @@ def test_every_prompt_of_a_batch_is_held_to_the_character_limit() -> None:
         ({"prompt": 5}, "prompt"),
         ({"logprobs": 6}, "logprobs"),
         ({"logprobs": True}, "logprobs"),
-        ({"echo": True}, "echo"),
+        ({"echo": "yes"}, "echo"),
         ({"max_tokens": 0}, "max_tokens"),
     ],
 )

@@ -52,6 +52,7 @@ from werkzeug.exceptions import HTTPException
 from .config import ServerConfig
 from .direct_send import DirectSend
 from .direct_send import render_metrics as render_direct_send_metrics
+from .echo import Echo
 from .engine import (
     Admitted,
     Delta,
@@ -61,6 +62,7 @@ from .engine import (
     FailureCause,
     Finished,
     GenerationRequest,
+    LogprobEntry,
     RequestRejected,
     RequestStream,
     RequestTooLarge,
@@ -590,8 +592,11 @@ def _register_routes(app: QuartTrio, state: ServerState) -> None:
             prompt_ids = await trio.to_thread.run_sync(_encode_prompts, backend, prompts)
         else:
             prompt_ids = tuple(prompt for prompt in prompts if not isinstance(prompt, str))
+        echo = None
+        if parsed.echo:
+            echo = await trio.to_thread.run_sync(_echo_texts, backend, prompts)
         return await _generate(
-            backend, "completion", parsed, prompt_ids, "prompt", nursery=app.nursery
+            backend, "completion", parsed, prompt_ids, "prompt", nursery=app.nursery, echo=echo
         )
 
 
@@ -806,6 +811,11 @@ def _encode_prompts(
     )
 
 
+def _echo_texts(backend: Backend, prompts: Sequence[str | tuple[int, ...]]) -> tuple[str, ...]:
+    """What ``echo`` returns of each prompt: its text as sent, or its token ids decoded."""
+    return tuple(p if isinstance(p, str) else backend.engine.decode(p) for p in prompts)
+
+
 async def _generate(
     backend: Backend,
     kind: Kind,
@@ -817,9 +827,11 @@ async def _generate(
     *,
     turn: Turn | None = None,
     nursery: trio.Nursery | None = None,
+    echo: Sequence[str] | None = None,
 ) -> Response:
     """Generate for one prompt, or for a batch of completions prompts (each its own engine
-    request, read together through a :class:`StreamGroup` whose tasks run in ``nursery``)."""
+    request, read together through a :class:`StreamGroup` whose tasks run in ``nursery``).
+    ``echo`` holds each prompt's text where the choices begin with their prompt."""
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     generations = [
         GenerationRequest(
@@ -842,7 +854,14 @@ async def _generate(
     )
     stream = _submit_all(backend, generations, prompt_param, nursery)
     timing = _Timing(request_id)
-    tools = tool_stream(request_id, collector.n) if tool_stream is not None else None
+    tools: ToolCallStream | Echo | None = None
+    if tool_stream is not None:
+        tools = tool_stream(request_id, collector.n)
+    elif echo is not None:
+        firsts = [
+            LogprobEntry(backend.engine.decode(ids[:1]), ids[0], None, None, ()) for ids in prompts
+        ]
+        tools = Echo(echo, firsts, params.n, want_logprobs=collector.want_logprobs)
     if parsed.stream:
         response = Response(
             _stream_body(stream, collector, timing, parsed.include_usage, tools, request.scope),
@@ -910,6 +929,8 @@ def _params(
         ) from None
     if constraint is not None:
         params = dataclasses.replace(params, constraint=constraint)
+    if isinstance(parsed, CompletionRequest) and parsed.echo and params.logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     return params
 
 
@@ -979,7 +1000,7 @@ async def _stream_body(
     collector: Collector,
     timing: _Timing,
     include_usage: bool,
-    tools: ToolCallStream | None = None,
+    tools: ToolCallStream | Echo | None = None,
     scope: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[bytes]:
     """SSE body; ``finally`` aborts (sync, idempotent) however the generator ends."""

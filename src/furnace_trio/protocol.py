@@ -201,6 +201,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None
+    echo: bool = False
 
 
 class _Body:
@@ -302,8 +303,7 @@ def parse_completion_request(
             raise _too_long("prompt", len(prompt), max_prompt_chars)
     logprobs = data.get("logprobs")
     echo = data.raw("echo")
-    if echo is not None and _check_bool("echo", echo):
-        raise invalid_request("echo is not supported", "echo")
+    echo = echo is not None and _check_bool("echo", echo)
     best_of = data.get("best_of")
     if best_of is not None and best_of != data.get("n"):
         raise invalid_request("best_of is not supported (it must equal n)", "best_of")
@@ -322,6 +322,7 @@ def parse_completion_request(
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs,
+        echo=echo,
     )
 
 

@@ -342,7 +342,13 @@ COMPLETION_FIELDS: Mapping[str, FieldSpec] = _table(
         low=0,
         high=MAX_COMPLETION_LOGPROBS,
     ),
-    FieldSpec("echo", "structured", "Not supported: only false.", schema={"const": False}),
+    FieldSpec(
+        "echo",
+        "structured",
+        "Return each prompt before its completion; with logprobs, the prompt's tokens are "
+        "scored too (the first one's logprob is null).",
+        schema={"type": "boolean"},
+    ),
     FieldSpec("best_of", "integer", "Not supported beyond n: must equal n.", low=1),
     FieldSpec("suffix", "structured", "Not supported: only empty.", schema={"const": ""}),
 )

@@ -86,7 +86,10 @@ def completion_logprobs(entries: Sequence[Any], text_offset: int) -> dict[str, A
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        # An echoed prompt's first token has no logprob, and no alternatives: null.
+        "top_logprobs": [
+            None if e.logprob is None else {t.token: t.logprob for t in e.top} for e in entries
+        ],
         "text_offset": offsets,
     }
 
