@@ -143,6 +143,10 @@ def _plan(rng: random.Random, client: int, turn: int, max_tokens: int) -> _Plan:
         path = "/v1/completions"
         if rng.random() < 0.25:  # a batch of prompts: one engine request each
             body["prompt"] = [prompt, *rng.sample(PROMPTS, rng.randint(1, 2))]
+        if rng.random() < 0.2:  # echo, half of them with the prompt scored
+            body["echo"] = True
+            if rng.random() < 0.5:
+                body["logprobs"] = 1
     batch = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
     roll = rng.random()
     disconnect = Disconnect.NONE
@@ -155,6 +159,8 @@ def _plan(rng: random.Random, client: int, turn: int, max_tokens: int) -> _Plan:
     label = f"{'chat' if chat else 'completion'}{'-stream' if stream else ''}"
     label += f"{'-n2' if n > 1 else ''}{'-session' if session else ''}"
     label += f"{'-batch' if batch > 1 else ''}{'-stop' if 'stop' in body else ''}"
+    label += "-echo" if "echo" in body else ""
+    label += "-scored" if "logprobs" in body else ""
     return _Plan(path, body, stream, n * batch, disconnect, session, label)
 
 

@@ -676,3 +676,14 @@ def test_prompt_scores_are_the_models_logprobs_of_each_next_prompt_token(
     )
     (after,) = runner.step(StepPlan((follow,)))
     assert after.prompt_logprobs is None
+
+
+def test_a_prompt_released_between_its_chunks_leaves_no_scores(tmp_path: Path) -> None:
+    """An abort between a scored prompt's chunks releases its sequence: the runner drops
+    the scores it kept for it."""
+    runner = _runner(write_tiny_model(tmp_path, "llama", tied=False))
+    ids = tuple(range(1, 11))
+    runner.step(StepPlan((ChunkPlan(3, ids[:6], 0, _table(0), score_ids=ids[1:7]),)))
+    assert runner._prompt_scores.keys() == {3}
+    runner.step(StepPlan((), released=(3,)))
+    assert runner._prompt_scores == {}
