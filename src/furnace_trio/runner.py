@@ -219,9 +219,9 @@ class ModelRunner:
             if not plan.chunks:
                 return []
             logits = None
-            scoring = any(chunk.score_ids for chunk in plan.chunks)
-            if self.graphs is not None and not scoring and self.graphs.accepts(plan):
-                logits = self.graphs.run(plan)
+            graphs = self.graphs
+            if graphs is not None and graphs.accepts(plan) and not _scores(plan):
+                logits = graphs.run(plan)
             if logits is None:
                 logits = self._forward(plan)
             specs: list[SampleSpec] = []
@@ -241,7 +241,9 @@ class ModelRunner:
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             generators = [self.generators.get(s.seq_id, s.params.seed) for s in specs]
             sampled = sample(logits, specs, generators, self._kernels)
-            return self._with_prompt_scores(plan, sampled)
+            if self._prompt_scores:  # a scored prompt's first tokens carry its scores
+                self._with_prompt_scores(plan, sampled)
+            return sampled
 
     def _score(self, chunk: ChunkPlan, logits: torch.Tensor) -> None:
         """Keep the logprobs of the prompt tokens that ``chunk``'s positions predict (and
@@ -267,10 +269,8 @@ class ModelRunner:
             )
         )
 
-    def _with_prompt_scores(
-        self, plan: StepPlan, sampled: list[SampledToken]
-    ) -> list[SampledToken]:
-        """The first tokens of scored prompts carry their prompt's scores."""
+    def _with_prompt_scores(self, plan: StepPlan, sampled: list[SampledToken]) -> None:
+        """Give the first tokens of scored prompts their prompt's scores (in place)."""
         at = 0
         for chunk in plan.chunks:
             count = len(chunk.samples)
@@ -280,7 +280,6 @@ class ModelRunner:
                 for i in range(at, at + count):
                     sampled[i] = dataclasses.replace(sampled[i], prompt_logprobs=scores)
             at += count
-        return sampled
 
     def capture_graphs(self, most: int) -> None:
         """With decode graphs: capture every batch size up to ``most`` sequences now (see
@@ -330,6 +329,11 @@ class ModelRunner:
             plan, self.block_size, self.device, all_rows=all_rows, split_upto=self._split_upto
         )
         return self.model(inputs, self.cache)
+
+
+def _scores(plan: StepPlan) -> bool:
+    """Whether a chunk of ``plan`` scores prompt tokens (never replayed from a graph)."""
+    return any(chunk.score_ids for chunk in plan.chunks)
 
 
 def build_inputs(
@@ -382,7 +386,8 @@ def build_inputs(
             starts.append(starts[-1] + n // len(rows))
         # A scored chunk's positions first (each predicts the next prompt token), then
         # the row it samples from, if any (its last position, which no score takes).
-        logit_rows.extend(range(first, first + len(chunk.score_ids)))
+        if chunk.score_ids:
+            logit_rows.extend(range(first, first + len(chunk.score_ids)))
         if all_rows or chunk.samples:
             logit_rows.append(starts[-1] - 1)
     # A row of one token decodes (batched attention); a longer one is a prefill chunk.
