@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from furnace_trio import config as server_config
 from furnace_trio import model as model_module
+from furnace_trio import runner as runner_module
 from furnace_trio.hf_loader import load_hf_directory
 from furnace_trio.model import PrefillBatch, RMSNorm, chunk_attention, chunk_mask
 from furnace_trio.native import quantize_kv_rows
@@ -613,12 +614,14 @@ def test_rms_norm_is_the_float32_formula_rounded_once_to_its_dtype(dtype: torch.
 
 
 def test_prompt_scores_are_the_models_logprobs_of_each_next_prompt_token(
-    tiny: tuple[ModelRunner, torch.nn.Module, int],
+    tiny: tuple[ModelRunner, torch.nn.Module, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A scored prompt in two chunks (40 tokens on the chunk path, then 10 as one-token
-    rows where the native kernels run), beside another sequence's prefill: its first
-    sampled token carries the logprob of every prompt token after the first, and the top
-    alternatives, as transformers computes them; later tokens carry none."""
+    """A scored prompt in two chunks (40 tokens on the chunk path, scored 16 rows at a
+    time, then 10 as one-token rows where the native kernels run), beside another
+    sequence's prefill: its first sampled token carries the logprob of every prompt token
+    after the first, and the top alternatives, as transformers computes them; later
+    tokens carry none."""
+    monkeypatch.setattr(runner_module, "SCORE_ROWS", 16)
     runner, ref, vocab = tiny
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, vocab, (50,), generator=gen).tolist()

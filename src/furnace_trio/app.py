@@ -593,8 +593,11 @@ def _register_routes(app: QuartTrio, state: ServerState) -> None:
         else:
             prompt_ids = tuple(prompt for prompt in prompts if not isinstance(prompt, str))
         echo = None
-        if parsed.echo:
-            echo = await trio.to_thread.run_sync(_echo_texts, backend, prompts)
+        if parsed.echo:  # token prompts are decoded (off the event loop)
+            texts = tuple(prompt for prompt in prompts if isinstance(prompt, str))
+            if len(texts) < len(prompts):
+                texts = await trio.to_thread.run_sync(_echo_texts, backend, prompts)
+            echo = texts
         return await _generate(
             backend, "completion", parsed, prompt_ids, "prompt", nursery=app.nursery, echo=echo
         )
