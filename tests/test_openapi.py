@@ -34,6 +34,9 @@ def test_every_endpoint_is_documented() -> None:
         "/health",
         "/metrics",
         "/openapi.json",
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
     }
     assert set(paths["/v1/sessions/{session_id}"]) >= {"get", "delete"}
     chat_ok = paths["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
@@ -151,6 +154,11 @@ def test_scalar_ranges_agree_with_the_schema(
         ("/v1/models", "ModelList", None),
         (f"/v1/models/{MODEL_NAME}", "Model", None),
         ("/health", "Health", None),
+        ("/tokenize", "TokenizeResponse", {"prompt": "hi there", "return_token_strs": True}),
+        ("/tokenize", "TokenizeResponse", {"messages": [{"role": "user", "content": "a"}]}),
+        ("/detokenize", "DetokenizeResponse", {"tokens": [1, 2, 3]}),
+        ("/tokenizer_info", "TokenizerInfo", None),
+        ("/tokenize", "Error", {"prompt": "a", "messages": []}),
         ("/v1/models/nope", "Error", None),
         ("/v1/sessions/nope", "Error", None),
         ("/v1/chat/completions", "Error", {"messages": []}),

@@ -75,9 +75,12 @@ from .params import SamplingParams, TokenConstraint
 from .protocol import (
     ChatRequest,
     CompletionRequest,
+    TokenizeRequest,
     max_prompt_chars,
     parse_chat_request,
     parse_completion_request,
+    parse_detokenize_request,
+    parse_tokenize_request,
     resolve_max_tokens,
 )
 from .sessions import SessionBusy, SessionNotFound, Turn, owner_of
@@ -280,6 +283,7 @@ def create_app(
     _register_error_handlers(app)
     _register_routes(app, state)
     _session_routes(app, state)
+    _tokenizer_routes(app, state)
     return app
 
 
@@ -516,7 +520,7 @@ class _Timing:
 def _register_routes(app: QuartTrio, state: ServerState) -> None:
     @app.before_request
     async def authenticate() -> None:
-        if request.path.startswith("/v1"):
+        if request.path.startswith("/v1") or request.path in TOKENIZER_PATHS:
             _check_api_key(state)
 
     @app.get("/health")
@@ -724,6 +728,75 @@ def _session_routes(app: QuartTrio, state: ServerState) -> None:
         return Response(dumps(body), mimetype="application/json")
 
 
+# -- the tokenizer (as vLLM serves it) ---------------------------------------------------------
+
+#: Outside ``/v1`` (where vLLM has them) and behind the API key like it.
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
+
+
+def _tokenizer_routes(app: QuartTrio, state: ServerState) -> None:
+    """``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` with vLLM's bodies: what
+    clients such as lm-evaluation-harness use to tokenize with the served model's own
+    tokenizer instead of downloading one."""
+
+    @app.post("/tokenize")
+    async def tokenize() -> dict[str, Any]:
+        body = await _read_body()
+        backend = state.serving_backend()
+        parsed = parse_tokenize_request(
+            body, max_prompt_chars=max_prompt_chars(backend.max_context)
+        )
+        _check_model(backend, parsed.model)
+        tokens = await trio.to_thread.run_sync(_tokenize, backend, parsed)
+        out: dict[str, Any] = {
+            "count": len(tokens),
+            "max_model_len": backend.max_context,
+            "tokens": tokens,
+        }
+        if parsed.return_token_strs:
+            out["token_strs"] = [backend.tokenizer.id_to_token(t) for t in tokens]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize() -> dict[str, Any]:
+        body = await _read_body()
+        backend = state.serving_backend()
+        model, ids = parse_detokenize_request(body, vocab_size=backend.tokenizer.vocab_size)
+        _check_model(backend, model)
+        text = await trio.to_thread.run_sync(_detokenize, backend, ids)
+        return {"prompt": text}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        backend = state.serving_backend()
+        tokenizer = backend.tokenizer
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": tokenizer.eos_token,
+            "bos_token": tokenizer.bos_token,
+            "pad_token": None,
+            "add_bos_token": tokenizer.add_bos_token,
+            "chat_template": tokenizer.chat_template,
+            "model_max_length": backend.max_context,
+        }
+
+
+def _tokenize(backend: Backend, parsed: TokenizeRequest) -> list[int]:
+    """A prompt's token ids, or a conversation's as the chat template renders it."""
+    text = parsed.prompt
+    if parsed.messages is not None:
+        text = _render_messages(
+            backend, parsed.messages, add_generation_prompt=parsed.add_generation_prompt
+        )
+    assert text is not None  # the parser gives exactly one of the two
+    return backend.tokenizer.encode(text, add_special_tokens=parsed.add_special_tokens)
+
+
+def _detokenize(backend: Backend, ids: tuple[int, ...]) -> str:
+    """The text of ``ids``, special tokens included (it round-trips ``/tokenize``)."""
+    return backend.tokenizer.decode(ids, skip_special_tokens=False)
+
+
 async def _read_body() -> bytes:
     """The raw body bytes (413 past ``MAX_CONTENT_LENGTH``); parsing is ours, see protocol."""
     data = await request.get_data(cache=False, as_text=False)
@@ -732,18 +805,38 @@ async def _read_body() -> bytes:
 
 def _render_chat(backend: Backend, parsed: ChatRequest) -> tuple[int, ...]:
     """Template and tokenize (runs in a worker thread; big inputs take a while)."""
+    text = _render_messages(
+        backend,
+        parsed.messages,
+        parsed.tools if parsed.tool_choice != "none" else None,
+        required=parsed.tool_choice == "required",
+        function=parsed.tool_function,
+    )
+    return tuple(backend.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _render_messages(
+    backend: Backend,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    required: bool = False,
+    function: str | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """A conversation (and its tools) rendered by the chat template; a 400 naming
+    ``messages`` when it cannot be."""
     try:
-        messages, tools = prepare_tool_messages(
-            parsed.messages,
-            parsed.tools if parsed.tool_choice != "none" else None,
+        prepared, tools_out = prepare_tool_messages(
+            messages,
+            tools,
             template_has_tools=template_supports_tools(backend.tokenizer.chat_template),
-            required=parsed.tool_choice == "required",
-            function=parsed.tool_function,
+            required=required,
+            function=function,
         )
-        text = backend.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tools=tools
+        return backend.tokenizer.apply_chat_template(
+            prepared, add_generation_prompt=add_generation_prompt, tools=tools_out
         )
-        return tuple(backend.tokenizer.encode(text, add_special_tokens=False))
     except ValueError as exc:
         raise invalid_request(f"cannot render the chat template: {exc}", "messages") from None
 

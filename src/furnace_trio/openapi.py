@@ -17,7 +17,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import __version__
-from .schemas import CHAT_FIELDS, COMPLETION_FIELDS, MAX_SESSION_ID_LENGTH, FieldSpec
+from .schemas import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    DETOKENIZE_FIELDS,
+    MAX_SESSION_ID_LENGTH,
+    TOKENIZE_FIELDS,
+    FieldSpec,
+)
 
 _REF = "#/components/schemas/"
 
@@ -258,6 +265,36 @@ _SCHEMAS: dict[str, Any] = {
     },
     "ChatCompletionRequest": request_schema(CHAT_FIELDS),
     "CompletionRequest": request_schema(COMPLETION_FIELDS),
+    "TokenizeRequest": request_schema(TOKENIZE_FIELDS),
+    "DetokenizeRequest": request_schema(DETOKENIZE_FIELDS),
+    "TokenizeResponse": {
+        "type": "object",
+        "required": ["count", "max_model_len", "tokens"],
+        "properties": {
+            "count": {"type": "integer", "minimum": 0},
+            "max_model_len": {"type": "integer", "minimum": 1},
+            "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+            "token_strs": {"type": "array", "items": {"type": ["string", "null"]}},
+        },
+    },
+    "DetokenizeResponse": {
+        "type": "object",
+        "required": ["prompt"],
+        "properties": {"prompt": {"type": "string"}},
+    },
+    "TokenizerInfo": {
+        "type": "object",
+        "required": ["eos_token", "bos_token", "pad_token", "chat_template", "model_max_length"],
+        "properties": {
+            "tokenizer_class": {"type": "string"},
+            "eos_token": {"type": ["string", "null"]},
+            "bos_token": {"type": ["string", "null"]},
+            "pad_token": {"type": ["string", "null"]},
+            "add_bos_token": {"type": "boolean"},
+            "chat_template": {"type": ["string", "null"]},
+            "model_max_length": {"type": "integer", "minimum": 1},
+        },
+    },
 }
 
 _ERROR_STATUSES: Mapping[str, str] = {
@@ -356,6 +393,20 @@ def _path_param(name: str, description: str) -> dict[str, Any]:
     }
 
 
+def _tokenizer_call(summary: str, operation: str, name: str, answer: str) -> dict[str, Any]:
+    """A POST of ``{name}Request`` answered by ``{name}Response``."""
+    return {
+        "summary": summary,
+        "operationId": operation,
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": _ref(f"{name}Request")}},
+        },
+        "responses": {"200": _json(_ref(f"{name}Response"), answer)}
+        | _errors("400", "401", "404", "413", "503"),
+    }
+
+
 def openapi_document() -> dict[str, Any]:
     """The whole document; a fresh dict each call (callers may serialize or mutate it)."""
     paths: dict[str, Any] = {
@@ -411,6 +462,27 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {"200": _json(_ref("SessionDeleted"), "Deleted.")}
                 | _errors("401", "404", "409", "503"),
             },
+        },
+        "/tokenize": {
+            "post": _tokenizer_call(
+                "Token ids of a prompt or a conversation (as vLLM's)",
+                "tokenize",
+                "Tokenize",
+                "The token ids.",
+            )
+        },
+        "/detokenize": {
+            "post": _tokenizer_call(
+                "Text of token ids (as vLLM's)", "detokenize", "Detokenize", "The text."
+            )
+        },
+        "/tokenizer_info": {
+            "get": {
+                "summary": "The served model's special tokens and chat template (as vLLM's)",
+                "operationId": "tokenizerInfo",
+                "responses": {"200": _json(_ref("TokenizerInfo"), "The tokenizer.")}
+                | _errors("401", "503"),
+            }
         },
         "/health": {
             "get": {

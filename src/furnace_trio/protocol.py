@@ -32,6 +32,7 @@ from .schemas import (
     CHAT_FIELDS,
     CHAT_ROLES,
     COMPLETION_FIELDS,
+    DETOKENIZE_FIELDS,
     MAX_CHARS_PER_TOKEN,
     MAX_JSON_DEPTH,
     MAX_LOGIT_BIAS,
@@ -39,6 +40,7 @@ from .schemas import (
     MAX_PROMPTS,
     MAX_STOP_LENGTH,
     MAX_STOP_SEQUENCES,
+    TOKENIZE_FIELDS,
     FieldSpec,
 )
 
@@ -324,6 +326,53 @@ def parse_completion_request(
         logprobs=logprobs,
         echo=echo,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeRequest:
+    """A validated ``/tokenize`` body: exactly one of ``prompt`` and ``messages``."""
+
+    model: str | None
+    prompt: str | None
+    messages: tuple[Mapping[str, Any], ...] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    return_token_strs: bool
+
+
+def parse_tokenize_request(body: bytes, *, max_prompt_chars: int | None = None) -> TokenizeRequest:
+    """Validate a ``/tokenize`` body (vLLM's: a prompt, or chat messages)."""
+    data = _Body(parse_json_body(body), TOKENIZE_FIELDS)
+    prompt = data.get("prompt")
+    raw_messages = data.raw("messages")
+    if (prompt is None) == (raw_messages is None):
+        raise invalid_request("give exactly one of prompt and messages", "prompt")
+    messages = None
+    if raw_messages is not None:
+        messages = _messages(raw_messages, max_prompt_chars)
+    elif max_prompt_chars is not None and len(prompt) > max_prompt_chars:
+        raise _too_long("prompt", len(prompt), max_prompt_chars)
+    add_special_tokens = data.get("add_special_tokens")
+    return TokenizeRequest(
+        model=data.get("model") or None,
+        prompt=prompt,
+        messages=messages,
+        add_special_tokens=messages is None if add_special_tokens is None else add_special_tokens,
+        add_generation_prompt=data.get("add_generation_prompt"),
+        return_token_strs=data.get("return_token_strs"),
+    )
+
+
+def parse_detokenize_request(body: bytes, *, vocab_size: int) -> tuple[str | None, tuple[int, ...]]:
+    """Validate a ``/detokenize`` body: (model, token ids)."""
+    data = _Body(parse_json_body(body), DETOKENIZE_FIELDS)
+    tokens = data.raw("tokens")
+    if tokens is None:
+        raise invalid_request("tokens is required", "tokens")
+    if not isinstance(tokens, list):
+        raise invalid_request("tokens must be a list of token ids", "tokens")
+    ids = _token_ids(tokens, vocab_size, "tokens", "tokens") if tokens else ()
+    return data.get("model") or None, ids
 
 
 def max_prompt_chars(max_context: int) -> int:
@@ -820,19 +869,18 @@ def _prompts(value: object, vocab_size: int) -> tuple[str | tuple[int, ...], ...
     return tuple(_token_ids(item, vocab_size, f"prompt[{i}]") for i, item in enumerate(value))
 
 
-def _token_ids(value: list[Any], vocab_size: int, where: str) -> tuple[int, ...]:
-    """A prompt given as token ids (``where`` names it in messages; the param is
-    ``prompt``)."""
+def _token_ids(
+    value: list[Any], vocab_size: int, where: str, param: str = "prompt"
+) -> tuple[int, ...]:
+    """Token ids as given (``where`` names them in messages, ``param`` in the error)."""
     if not value:
-        raise invalid_request(f"{where} must be a non-empty list of token ids", "prompt")
+        raise invalid_request(f"{where} must be a non-empty list of token ids", param)
     for item in value:
         if isinstance(item, bool) or not isinstance(item, int):
-            raise invalid_request(
-                f"{where} token ids must be integers, not {_kind(item)}", "prompt"
-            )
+            raise invalid_request(f"{where}: token ids must be integers, not {_kind(item)}", param)
         if not 0 <= item < vocab_size:
             raise invalid_request(
-                f"{where} token id {item} is outside the vocabulary (0..{vocab_size - 1})",
-                "prompt",
+                f"{where}: token id {item} is outside the vocabulary (0..{vocab_size - 1})",
+                param,
             )
     return tuple(value)

@@ -352,3 +352,42 @@ COMPLETION_FIELDS: Mapping[str, FieldSpec] = _table(
     FieldSpec("best_of", "integer", "Not supported beyond n: must equal n.", low=1),
     FieldSpec("suffix", "structured", "Not supported: only empty.", schema={"const": ""}),
 )
+
+_MODEL_FIELD = COMMON_FIELDS[0]
+
+#: ``POST /tokenize`` (as vLLM's): a prompt, or messages rendered by the chat template.
+TOKENIZE_FIELDS: Mapping[str, FieldSpec] = _table(
+    _MODEL_FIELD,
+    FieldSpec("prompt", "string", "Text to tokenize (or give messages)."),
+    FieldSpec(
+        "messages",
+        "structured",
+        "A conversation to render with the chat template, then tokenize (or give prompt).",
+        schema=CHAT_FIELDS["messages"].schema,
+    ),
+    FieldSpec(
+        "add_special_tokens",
+        "boolean",
+        "Add the model's special tokens (BOS): default true for a prompt, false for messages "
+        "(the template writes them).",
+    ),
+    FieldSpec(
+        "add_generation_prompt",
+        "boolean",
+        "With messages: end with the assistant turn's opening.",
+        True,
+    ),
+    FieldSpec("return_token_strs", "boolean", "Also return each token's text.", False),
+)
+
+#: ``POST /detokenize`` (as vLLM's).
+DETOKENIZE_FIELDS: Mapping[str, FieldSpec] = _table(
+    _MODEL_FIELD,
+    FieldSpec(
+        "tokens",
+        "structured",
+        "Token ids to turn into text.",
+        required=True,
+        schema={"type": "array", "items": {"type": "integer", "minimum": 0}},
+    ),
+)

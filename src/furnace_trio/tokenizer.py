@@ -415,6 +415,16 @@ class Tokenizer:
     # -- encoding and decoding ----------------------------------------------------------
 
     @property
+    def eos_token(self) -> str | None:
+        """The EOS token's text (as the chat template gets it)."""
+        return self._eos_token
+
+    @property
+    def bos_token(self) -> str | None:
+        """The BOS token's text, if the model has one."""
+        return None if self.bos_token_id is None else self._hf.id_to_token(self.bos_token_id)
+
+    @property
     def hf_tokenizer(self) -> HFTokenizer:
         """The underlying ``tokenizers.Tokenizer`` (for saving or inspection; do not mutate)."""
         return self._hf
@@ -517,12 +527,11 @@ class Tokenizer:
         """
         if self.chat_template is None:
             raise ValueError("this model has no chat template; use the completions endpoint")
-        bos = self._hf.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
         return compile_chat_template(self.chat_template).render(
             messages,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
-            bos_token=bos,
+            bos_token=self.bos_token,
             eos_token=self._eos_token,
             **kwargs,
         )
