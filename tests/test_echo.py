@@ -68,6 +68,20 @@ async def test_echo_with_logprobs_scores_the_prompt_tokens() -> None:
     assert logprobs.text_offset == list(range(len(choice.text)))
 
 
+async def test_every_sample_of_a_scored_prompt_carries_its_scores() -> None:
+    async with serve_scripted(scripted.ScriptedRunner(script)) as served, client(served) as c:
+        result = await c.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, n=3, max_tokens=20, echo=True, logprobs=0
+        )
+        await served.wait_idle()
+    prompt_part = [None] + [-t / 100 for t in PROMPT[1:]]
+    for j, choice in enumerate(result.choices):
+        assert choice.index == j and choice.text == "Hi! Who" + answer(tuple(PROMPT), j)
+        values = choice.logprobs.token_logprobs  # type: ignore[union-attr]
+        assert values is not None and values[: len(PROMPT)] == prompt_part
+        assert len(values) == len(PROMPT) + len(answer(tuple(PROMPT), j))
+
+
 async def test_a_scored_prompt_is_computed_whole_without_the_prefix_cache() -> None:
     prompt = list(range(65, 91))  # 26 tokens: full blocks the cache keeps
     async with serve_scripted(scripted.ScriptedRunner(script)) as served, client(served) as c:
