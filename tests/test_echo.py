@@ -162,3 +162,44 @@ async def test_scoring_as_an_evaluation_harness_does() -> None:
         assert scored == [-t / 100 for t in rest]
         tops = (choice.logprobs.top_logprobs or [])[len(context) : -1]
         assert all(lp == max(top.values()) for lp, top in zip(scored, tops, strict=True))
+
+
+async def test_max_tokens_0_echoes_the_prompt_alone_scored() -> None:
+    async with serve_scripted(scripted.ScriptedRunner(script)) as served, client(served) as c:
+        kwargs: dict[str, Any] = dict(
+            model=MODEL_NAME, prompt=[PROMPT, PROMPT[:2]], max_tokens=0, echo=True, logprobs=1
+        )
+        whole = await c.completions.create(**kwargs)
+        stream = await c.completions.create(**kwargs, stream=True)
+        streamed: dict[int, str] = {0: "", 1: ""}
+        ends: dict[int, list[str]] = {0: [], 1: []}
+        async for chunk in stream:
+            for choice in chunk.choices:
+                streamed[choice.index] += choice.text
+                if choice.finish_reason is not None:
+                    ends[choice.index].append(choice.finish_reason)
+        unscored = await c.completions.create(
+            model=MODEL_NAME, prompt="Say hi", max_tokens=0, echo=True
+        )
+        await served.wait_idle()
+    for choice, prompt in zip(whole.choices, (PROMPT, PROMPT[:2]), strict=True):
+        assert choice.text == streamed[choice.index] == scripted.decode(prompt)
+        assert choice.finish_reason == "length" and ends[choice.index] == ["length"]
+        lps = choice.logprobs
+        assert lps is not None
+        assert lps.token_logprobs == [None] + [-t / 100 for t in prompt[1:]]
+        assert lps.tokens == [piece(t) for t in prompt]
+    assert whole.usage is not None and whole.usage.completion_tokens == 0
+    assert whole.usage.prompt_tokens == len(PROMPT) + 2
+    assert unscored.choices[0].text == "Say hi" and unscored.choices[0].logprobs is None
+
+
+async def test_max_tokens_0_without_echo_is_a_400() -> None:
+    async with serve_scripted(scripted.ScriptedRunner(script)) as served, client(served) as c:
+        try:
+            await c.completions.create(model=MODEL_NAME, prompt="x", max_tokens=0)
+        except openai.BadRequestError as exc:
+            assert exc.param == "max_tokens" and "echo" in exc.message
+        else:
+            raise AssertionError("max_tokens 0 without echo was accepted")
+        assert served.runner.plans == []

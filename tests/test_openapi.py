@@ -115,7 +115,8 @@ def _boundary_values(spec: FieldSpec) -> list[tuple[Any, bool]]:
             CHAT_FIELDS,
             {"messages": [{"role": "user", "content": "hi"}], "logprobs": True},
         ),
-        (protocol.parse_completion_request, COMPLETION_FIELDS, {"prompt": "x"}),
+        # echo: max_tokens 0 is for it alone (a rule across fields, as top_logprobs's)
+        (protocol.parse_completion_request, COMPLETION_FIELDS, {"prompt": "x", "echo": True}),
     ],
 )
 def test_scalar_ranges_agree_with_the_schema(

@@ -957,7 +957,13 @@ async def _generate(
         firsts = [
             LogprobEntry(backend.engine.decode(ids[:1]), ids[0], None, None, ()) for ids in prompts
         ]
-        tools = Echo(echo, firsts, params.n, want_logprobs=collector.want_logprobs)
+        tools = Echo(
+            echo,
+            firsts,
+            params.n,
+            want_logprobs=collector.want_logprobs,
+            generated=parsed.sampling.max_tokens != 0,
+        )
     if parsed.stream:
         response = Response(
             _stream_body(stream, collector, timing, parsed.include_usage, tools, request.scope),
@@ -1009,7 +1015,8 @@ def _params(
             max_tokens_param=parsed.sampling.max_tokens_param,
         )
         try:
-            params = parsed.sampling.to_params(max_tokens)
+            # max_tokens 0 (echo alone): one token is computed, and the echo drops it.
+            params = parsed.sampling.to_params(max(max_tokens, 1))
         except ValueError as exc:
             raise invalid_request(str(exc)) from None
     except APIError as exc:

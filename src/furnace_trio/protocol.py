@@ -304,8 +304,12 @@ def parse_completion_request(
         ):
             raise _too_long("prompt", len(prompt), max_prompt_chars)
     logprobs = data.get("logprobs")
-    echo = data.raw("echo")
-    echo = echo is not None and _check_bool("echo", echo)
+    echo = data.get("echo")
+    if data.get("max_tokens") == 0 and not echo:
+        raise invalid_request(
+            "max_tokens 0 generates nothing: it is for echo, which returns the prompt alone",
+            "max_tokens",
+        )
     best_of = data.get("best_of")
     if best_of is not None and best_of != data.get("n"):
         raise invalid_request("best_of is not supported (it must equal n)", "best_of")

@@ -334,7 +334,7 @@ COMPLETION_FIELDS: Mapping[str, FieldSpec] = _table(
             ]
         },
     ),
-    *COMMON_FIELDS,
+    *(spec for spec in COMMON_FIELDS if spec.name != "max_tokens"),  # its own below
     FieldSpec(
         "logprobs",
         "integer",
@@ -343,11 +343,18 @@ COMPLETION_FIELDS: Mapping[str, FieldSpec] = _table(
         high=MAX_COMPLETION_LOGPROBS,
     ),
     FieldSpec(
+        "max_tokens",
+        "integer",
+        "Most tokens to generate; prompt + max_tokens must fit the context. 0 (with echo "
+        "only): the prompt alone, scored when logprobs is given.",
+        low=0,
+    ),
+    FieldSpec(
         "echo",
-        "structured",
+        "boolean",
         "Return each prompt before its completion; with logprobs, the prompt's tokens are "
         "scored too (the first one's logprob is null).",
-        schema={"type": "boolean"},
+        False,
     ),
     FieldSpec("best_of", "integer", "Not supported beyond n: must equal n.", low=1),
     FieldSpec("suffix", "structured", "Not supported: only empty.", schema={"const": ""}),
