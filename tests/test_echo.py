@@ -8,6 +8,8 @@ wrong choice fails.
 
 from __future__ import annotations
 
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
 import openai
@@ -98,31 +100,51 @@ async def test_a_scored_prompt_is_computed_whole_without_the_prefix_cache() -> N
     assert lps.token_logprobs[: len(prompt)] == [None] + [-t / 100 for t in prompt[1:]]
 
 
+@dataclass
+class Streamed:
+    """One choice as its chunks came: the first chunk's text, then everything joined."""
+
+    first: str = ""
+    text: str = ""
+    tokens: list[str] = field(default_factory=list)
+    values: list[float | None] = field(default_factory=list)
+    ends: list[str] = field(default_factory=list)
+
+
+async def whole_and_streamed(
+    c: openai.AsyncOpenAI, **kwargs: Any
+) -> tuple[Any, dict[int, Streamed]]:
+    """The same completions request, answered whole and streamed."""
+    whole = await c.completions.create(**kwargs)
+    streamed: dict[int, Streamed] = defaultdict(Streamed)
+    async for chunk in await c.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            got = streamed[choice.index]
+            if not got.text:
+                got.first = choice.text
+            got.text += choice.text
+            if choice.logprobs is not None:
+                got.tokens += choice.logprobs.tokens or []
+                got.values += choice.logprobs.token_logprobs or []
+            if choice.finish_reason is not None:
+                got.ends.append(choice.finish_reason)
+    return whole, streamed
+
+
 async def test_echo_streams_the_prompt_first_with_its_scores() -> None:
+    prompts = [PROMPT, PROMPT[:3]]
     async with serve_scripted(scripted.ScriptedRunner(script)) as served, client(served) as c:
-        kwargs: dict[str, Any] = dict(
-            model=MODEL_NAME, prompt=[PROMPT, PROMPT[:3]], max_tokens=20, echo=True, logprobs=1
+        whole, streamed = await whole_and_streamed(
+            c, model=MODEL_NAME, prompt=prompts, max_tokens=20, echo=True, logprobs=1
         )
-        whole = await c.completions.create(**kwargs)
-        stream = await c.completions.create(**kwargs, stream=True)
-        text = {0: "", 1: ""}
-        tokens: dict[int, list[str]] = {0: [], 1: []}
-        values: dict[int, list[float | None]] = {0: [], 1: []}
-        async for chunk in stream:
-            for choice in chunk.choices:
-                if not text[choice.index]:
-                    prompt = PROMPT if choice.index == 0 else PROMPT[:3]
-                    assert choice.text.startswith(scripted.decode(prompt))
-                text[choice.index] += choice.text
-                if choice.logprobs is not None:
-                    tokens[choice.index] += choice.logprobs.tokens or []
-                    values[choice.index] += choice.logprobs.token_logprobs or []
         await served.wait_idle()
     for choice in whole.choices:
+        got = streamed[choice.index]
+        assert got.first.startswith(scripted.decode(prompts[choice.index]))
         assert choice.logprobs is not None
-        assert text[choice.index] == choice.text
-        assert tokens[choice.index] == choice.logprobs.tokens
-        assert values[choice.index] == choice.logprobs.token_logprobs
+        assert got.text == choice.text
+        assert got.tokens == choice.logprobs.tokens
+        assert got.values == choice.logprobs.token_logprobs
 
 
 async def test_a_prompt_answered_by_eos_at_once_is_still_echoed_and_scored() -> None:
@@ -166,25 +188,16 @@ async def test_scoring_as_an_evaluation_harness_does() -> None:
 
 async def test_max_tokens_0_echoes_the_prompt_alone_scored() -> None:
     async with serve_scripted(scripted.ScriptedRunner(script)) as served, client(served) as c:
-        kwargs: dict[str, Any] = dict(
-            model=MODEL_NAME, prompt=[PROMPT, PROMPT[:2]], max_tokens=0, echo=True, logprobs=1
+        whole, streamed = await whole_and_streamed(
+            c, model=MODEL_NAME, prompt=[PROMPT, PROMPT[:2]], max_tokens=0, echo=True, logprobs=1
         )
-        whole = await c.completions.create(**kwargs)
-        stream = await c.completions.create(**kwargs, stream=True)
-        streamed: dict[int, str] = {0: "", 1: ""}
-        ends: dict[int, list[str]] = {0: [], 1: []}
-        async for chunk in stream:
-            for choice in chunk.choices:
-                streamed[choice.index] += choice.text
-                if choice.finish_reason is not None:
-                    ends[choice.index].append(choice.finish_reason)
         unscored = await c.completions.create(
             model=MODEL_NAME, prompt="Say hi", max_tokens=0, echo=True
         )
         await served.wait_idle()
     for choice, prompt in zip(whole.choices, (PROMPT, PROMPT[:2]), strict=True):
-        assert choice.text == streamed[choice.index] == scripted.decode(prompt)
-        assert choice.finish_reason == "length" and ends[choice.index] == ["length"]
+        assert choice.text == streamed[choice.index].text == scripted.decode(prompt)
+        assert choice.finish_reason == "length" and streamed[choice.index].ends == ["length"]
         lps = choice.logprobs
         assert lps is not None
         assert lps.token_logprobs == [None] + [-t / 100 for t in prompt[1:]]
