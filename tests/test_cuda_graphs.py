@@ -280,3 +280,22 @@ def test_server_flag() -> None:
     assert ServerConfig.from_env({"FURNACE_CUDA_GRAPHS": "0"}).cuda_graphs is False
     with pytest.raises(ConfigError, match="FURNACE_CUDA_GRAPHS"):
         ServerConfig.from_env({"FURNACE_CUDA_GRAPHS": "maybe"})
+
+
+def test_a_step_that_scores_a_prompt_is_never_a_graph_step(model_dir: Path) -> None:
+    """A one-token chunk that scores the next prompt token, beside a decode: every row is
+    one token, but the graphs leave out rows that do not sample, so the plain forward pass
+    runs the step, and the score is the plain runner's."""
+    plain, prompts = _prefilled(model_dir, graphs=False)
+    graphed, _ = _prefilled(model_dir, graphs=True)
+    assert graphed.graphs is not None
+    tables = _tables()
+    scored = ChunkPlan(3, (7,), 0, tuple(range(96, 128)), score_ids=(8,), score_top=1)
+    plan = StepPlan(
+        (ChunkPlan(0, (4,), len(prompts[0]), tables[0], (SampleSpec(0, GREEDY),)), scored)
+    )
+    assert graphed.graphs.accepts(plan)  # by its shape alone it would be one
+    assert graphed.step(plan) == plain.step(plan)
+    assert graphed.graphs.captured == ()
+    kept = graphed._prompt_scores[3]
+    assert kept == plain._prompt_scores[3] and [s.token_id for s in kept] == [8]

@@ -67,6 +67,26 @@ def test_cuda_float32_logits_match_the_cpu() -> None:
     torch.testing.assert_close(got, torch.cat([cpu, short]), atol=2e-3, rtol=2e-3)
 
 
+def test_cuda_prompt_scores_match_the_cpu() -> None:
+    """A scored prompt in two chunks on CUDA (with decode graphs on, which a scoring step
+    must not take): the logprob of each prompt token after the first, as the CPU's float32
+    logits give it."""
+    ids = _prompt()
+    scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    table = tuple(range(8))
+    cpu = torch.log_softmax(default_runner().prompt_logits(ids), dim=-1)
+    cuda = _cuda_runner("float32", graphs=True)
+    cuda.step(StepPlan((ChunkPlan(1, ids[:20], 0, table, score_ids=ids[1:21], score_top=1),)))
+    last = ChunkPlan(
+        1, ids[20:], 20, table, (SampleSpec(1, scored, ids, ()),), ids[21:], score_top=1
+    )
+    (token,) = cuda.step(StepPlan((last,)))
+    assert token.prompt_logprobs is not None
+    got = torch.tensor([s.logprob for s in token.prompt_logprobs])
+    want = cpu[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
 def _greedy_answer(runner: ModelRunner, steps: int = 40) -> list[int]:
     """The runner's greedy answer to the Paris question, one step at a time."""
     tok = default_model().tokenizer
