@@ -22,9 +22,9 @@ from .cuda_graphs import DecodeGraphs
 from .loader import LoadedModel
 from .model import KVCache, Linear, StepInputs, Transformer
 from .model_config import ModelConfig
-from .plan import ChunkPlan, SampledToken, SampleSpec, StepPlan, TokenLogprob
+from .plan import ChunkPlan, SampledToken, SampleSpec, StepPlan
 from .quant import FourBit, quantize_linears, resolve_quantization
-from .sampling import GeneratorStore, sample
+from .sampling import GeneratorStore, sample, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -256,24 +256,13 @@ class ModelRunner:
         kept = self._prompt_scores.setdefault(chunk.seq_id, [])
         for at in range(0, len(chunk.score_ids), SCORE_ROWS):
             score_ids = chunk.score_ids[at : at + SCORE_ROWS]
-            logprobs = torch.log_softmax(logits[at : at + SCORE_ROWS].float(), dim=-1)
-            ids = torch.tensor(score_ids, device=logprobs.device)
-            chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
-            top_values: list[list[float]] = [[] for _ in chosen]
-            top_ids: list[list[int]] = [[] for _ in chosen]
-            if chunk.score_top:
-                top = logprobs.topk(chunk.score_top, dim=-1)
-                top_values, top_ids = top.values.tolist(), top.indices.tolist()
+            ids = torch.tensor(score_ids, device=logits.device)
+            scores = token_logprobs(
+                logits[at : at + SCORE_ROWS].float(), ids, [chunk.score_top] * len(score_ids)
+            )
             kept.extend(
-                SampledToken(
-                    chunk.seq_id,
-                    token_id,
-                    value,
-                    tuple(TokenLogprob(i, v) for i, v in zip(alt_ids, alt_values, strict=True)),
-                )
-                for token_id, value, alt_ids, alt_values in zip(
-                    score_ids, chosen, top_ids, top_values, strict=True
-                )
+                SampledToken(chunk.seq_id, token_id, value, top)
+                for token_id, (value, top) in zip(score_ids, scores, strict=True)
             )
 
     def _with_prompt_scores(self, plan: StepPlan, sampled: list[SampledToken]) -> None:

@@ -110,21 +110,12 @@ def sample(
     logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     logprob_of: dict[int, tuple[float, tuple[TokenLogprob, ...]]] = {}
     if logprob_rows:
-        logprobs = torch.log_softmax(processed[logprob_rows], dim=-1)
-        picked = logprobs.gather(1, chosen[logprob_rows].unsqueeze(1)).squeeze(1).tolist()
-        k = max(params[i].logprobs or 0 for i in logprob_rows)
-        top_values: list[list[float]] = [[] for _ in logprob_rows]
-        top_ids: list[list[int]] = [[] for _ in logprob_rows]
-        if k:
-            values, ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
-            top_values, top_ids = values.tolist(), ids.tolist()
-        for j, row in enumerate(logprob_rows):
-            want = params[row].logprobs or 0
-            top = tuple(
-                TokenLogprob(t, v)
-                for t, v in zip(top_ids[j][:want], top_values[j][:want], strict=True)
-            )
-            logprob_of[row] = (picked[j], top)
+        scores = token_logprobs(
+            processed[logprob_rows],
+            chosen[logprob_rows],
+            [params[i].logprobs or 0 for i in logprob_rows],
+        )
+        logprob_of = dict(zip(logprob_rows, scores, strict=True))
 
     out: list[SampledToken] = []
     for i, spec in enumerate(specs):
@@ -133,6 +124,27 @@ def sample(
             out.append(SampledToken(spec.seq_id, chosen_list[i], value, top))
         else:
             out.append(SampledToken(spec.seq_id, chosen_list[i]))
+    return out
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, tops: Sequence[int]
+) -> list[tuple[float, tuple[TokenLogprob, ...]]]:
+    """For each row of ``logits`` (float32 ``[R, vocab]``): the logprob of ``token_ids[row]``
+    under ``log_softmax`` of the row, and the ``tops[row]`` likeliest tokens with theirs
+    (sampled tokens' logprobs, and a scored prompt's in the runner)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    picked = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    k = min(max(tops, default=0), logprobs.shape[1])
+    top_values: list[list[float]] = [[] for _ in tops]
+    top_ids: list[list[int]] = [[] for _ in tops]
+    if k:
+        values, ids = logprobs.topk(k, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    out = []
+    for j, want in enumerate(tops):
+        alternatives = zip(top_ids[j][:want], top_values[j][:want], strict=True)
+        out.append((picked[j], tuple(TokenLogprob(t, v) for t, v in alternatives)))
     return out
 
 
