@@ -371,3 +371,21 @@ async def test_real_model_session_turn_matches_a_stateless_request() -> None:
     (_t1, c1), (t2, c2) = await _serve(_real_engine(True), sessions)
     assert c1 == 0 and c2 > 0
     assert t2 == await _serve(_real_engine(False), stateless)
+
+
+def test_a_scored_prompt_aborted_between_chunks_is_released_to_the_runner() -> None:
+    """The runner keeps a scored prompt's scores by its sequence until its samples are
+    drawn; an abort before then releases that sequence (the parent of n = 2 too)."""
+    s = Scheduler(
+        BlockPool(64, 4), max_running=4, max_step_tokens=4, max_context=1024, eos_token_ids={0}
+    )
+    s.add("a", list(range(1, 11)), SamplingParams(max_tokens=2, prompt_logprobs=0, n=2))
+    step = s.schedule()
+    assert step is not None
+    (chunk,) = step.plan.chunks
+    assert chunk.score_ids and not chunk.samples  # a prompt chunk before the last
+    s.update(step, [])
+    assert s.abort("a")
+    s.add("b", [1, 2], SamplingParams(max_tokens=1))
+    nxt = s.schedule()
+    assert nxt is not None and chunk.seq_id in nxt.plan.released

@@ -292,10 +292,7 @@ class Scheduler:
         if group is None:
             return False
         if group.prefill is not None and group.prefill.index is None:
-            # The parent of n > 1; released to the runner only where it kept the prompt's
-            # scores (an abort between prompt chunks).
-            scored = group.params.prompt_logprobs is not None
-            self._drop_seq(group.prefill, release=scored)
+            self._drop_seq(group.prefill)  # the parent of n > 1
             group.prefill = None
         for seq in group.samples:
             if seq.status is not SeqStatus.FINISHED:
@@ -424,7 +421,7 @@ class Scheduler:
                 outputs.append(output)
                 if output.finish is None:
                     self._fork(seq, child)
-            self._drop_seq(seq, release=False)
+            self._drop_seq(seq)
             group.prefill = None
         return outputs
 
@@ -592,15 +589,17 @@ class Scheduler:
             return SampleOutput(rid, index, token, FinishReason.LENGTH, scores)
         return SampleOutput(rid, index, token, None, scores)
 
-    def _drop_seq(self, seq: Seq, *, release: bool) -> None:
-        """Free a sequence's blocks and reservation; it leaves the running set."""
+    def _drop_seq(self, seq: Seq) -> None:
+        """Free a sequence's blocks and reservation; it leaves the running set, and the
+        runner is told to drop what it keeps for it (a sampler's generator, a prompt's
+        scores) with the next plan."""
         if seq.block_table:
             self.pool.free(seq.block_table)
             seq.block_table = []
         self._reserved -= seq.reserved_blocks
         seq.reserved_blocks = 0
         seq.status = SeqStatus.FINISHED
-        if self._seqs.pop(seq.seq_id, None) is not None and release:
+        if self._seqs.pop(seq.seq_id, None) is not None:
             self._released.append(seq.seq_id)
 
     def _finish_seq(self, seq: Seq, *, keep: bool = False) -> None:
@@ -611,12 +610,12 @@ class Scheduler:
         group = seq.group
         if keep and group.keep_kv:
             self._keep(seq)
-        self._drop_seq(seq, release=True)
+        self._drop_seq(seq)
         group.num_live -= 1
         self._num_slots -= 1
         if group.num_live == 0:
             if group.prefill is not None:
-                self._drop_seq(group.prefill, release=False)
+                self._drop_seq(group.prefill)
                 group.prefill = None
             group.status = SeqStatus.FINISHED
             self.running.pop(group.request_id, None)
