@@ -34,10 +34,13 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff and mypy on src/."""
+    """ruff and mypy on src/, and the import contract between the layers
+    (tests/test_architecture.py)."""
     _install(session, "lint")
-    session.run("ruff", "check", "src", "tests")
+    session.run("ruff", "check", "src", "tests", "benchmarks")
+    session.run("ruff", "format", "--check", "src", "tests", "benchmarks")
     session.run("mypy", "src")
+    session.run("pytest", "-q", "tests/test_architecture.py")
 
 
 @nox.session

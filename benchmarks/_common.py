@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from furnace_trio.loader import LoadedModel
-from furnace_trio.runner import RunnerConfig
+from furnace_trio.loading.loader import LoadedModel
+from furnace_trio.runtime.runner import RunnerConfig
 
 PROMPTS: tuple[str, ...] = (
     "What is the capital of France? Answer in one sentence.",

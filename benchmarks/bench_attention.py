@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from furnace_trio import native
+from furnace_trio.runtime import native
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 

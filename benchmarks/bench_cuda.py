@@ -33,12 +33,12 @@ from bench_engine import pad_id, padded_batch, run_engine
 from bench_http import free_port, run, serve, wait_ready
 from bench_quality import greedy
 
-from furnace_trio.backend import engine_config
-from furnace_trio.config import ServerConfig
-from furnace_trio.loader import LoadedModel, load_model
-from furnace_trio.model_thread import ModelThread
-from furnace_trio.plan import SampledToken, StepPlan
-from furnace_trio.runner import ModelRunner, RunnerConfig
+from furnace_trio.core.plan import SampledToken, StepPlan
+from furnace_trio.engine.model_thread import ModelThread
+from furnace_trio.loading.loader import LoadedModel, load_model
+from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
+from furnace_trio.server.backend import engine_config
+from furnace_trio.server.config import ServerConfig
 
 WORKLOADS = [(1, 3), (16, 3), (64, 2)]  # (streams, requests per stream)
 #: ``--quick``: a smoke run of the script itself (``--device cpu`` checks it without a GPU).

@@ -33,13 +33,13 @@ from _common import (
     transformers_model,
 )
 
-from furnace_trio.backend import build_engine
-from furnace_trio.config import ServerConfig
-from furnace_trio.engine import Delta, Engine, GenerationRequest
-from furnace_trio.loader import LoadedModel, load_model
-from furnace_trio.model_thread import ModelThread
-from furnace_trio.params import SamplingParams
-from furnace_trio.runner import ModelRunner
+from furnace_trio.core.params import SamplingParams
+from furnace_trio.engine.engine import Delta, Engine, GenerationRequest
+from furnace_trio.engine.model_thread import ModelThread
+from furnace_trio.loading.loader import LoadedModel, load_model
+from furnace_trio.runtime.runner import ModelRunner
+from furnace_trio.server.backend import build_engine
+from furnace_trio.server.config import ServerConfig
 
 
 @dataclass

@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _common import PROMPTS, chat_ids
 
-from furnace_trio.engine import Delta, Engine, EngineConfig, GenerationRequest
-from furnace_trio.grammar import GrammarCompiler
-from furnace_trio.loader import load_model
-from furnace_trio.params import SamplingParams
-from furnace_trio.runner import ModelRunner, RunnerConfig
+from furnace_trio.core.params import SamplingParams
+from furnace_trio.engine.engine import Delta, Engine, EngineConfig, GenerationRequest
+from furnace_trio.loading.loader import load_model
+from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
+from furnace_trio.tools.grammar import GrammarCompiler
 
 SCHEMA = {
     "type": "object",

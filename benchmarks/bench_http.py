@@ -33,11 +33,11 @@ from bench_engine import Result
 from hypercorn.config import Config
 from quart_trio import QuartTrio
 
-from furnace_trio.app import create_app
-from furnace_trio.backend import Backend
-from furnace_trio.config import ServerConfig
-from furnace_trio.engine import Engine
-from furnace_trio.loader import LoadedModel
+from furnace_trio.engine.engine import Engine
+from furnace_trio.loading.loader import LoadedModel
+from furnace_trio.server.app import create_app
+from furnace_trio.server.backend import Backend
+from furnace_trio.server.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -51,7 +51,7 @@ from _common import PROMPTS, long_prompt_text, machine, pct
 from _llama_server import find_llama_server, llama_server_version
 from bench_http import Result, closed_loop, free_port, serve, wait_ready
 
-from furnace_trio.default_model import default_model_path
+from furnace_trio.loading.default_model import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVERS = ("furnace-trio", "llama.cpp")

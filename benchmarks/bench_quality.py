@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from _common import PROMPTS, TEXT, chat_ids, machine, runtime_config
 
-from furnace_trio.loader import load_model
-from furnace_trio.plan import ChunkPlan, StepPlan
-from furnace_trio.runner import ModelRunner
+from furnace_trio.core.plan import ChunkPlan, StepPlan
+from furnace_trio.loading.loader import load_model
+from furnace_trio.runtime.runner import ModelRunner
 
 STEPS = 64
 

@@ -25,8 +25,8 @@ import openai
 import trio
 from hypercorn.config import Config
 
-from furnace_trio.app import create_app
-from furnace_trio.config import ServerConfig
+from furnace_trio.server.app import create_app
+from furnace_trio.server.config import ServerConfig
 
 logger = logging.getLogger("bench_sessions")
 MODEL: list[str] = ["SmolLM2-135M-Instruct"]  # replaced by what /v1/models says

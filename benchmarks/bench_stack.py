@@ -17,7 +17,7 @@ the Trio thread's CPU time (``time.thread_time``) around the whole request:
   process (scheduler, detokenizer, stream events: no HTTP);
 - ``furnace``: the server's app (``create_app``) over that engine under hypercorn, a
   streamed chat completion (its deltas written straight to the socket by the engine's
-  task, the fast lane, the default: :mod:`furnace_trio.direct_send`);
+  task, the fast lane, the default: :mod:`furnace_trio.server.direct_send`);
 - ``furnace-no-fast-lane``: the same app with ``fast_lane=False`` (each delta woken into
   the response's task, which writes it straight to the socket, as in the eleventh session);
 - ``furnace-hypercorn-send``: the same app with ``direct_send=False`` (every chunk through
@@ -49,14 +49,14 @@ from hypercorn.trio import serve
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from furnace_trio.app import create_app
-from furnace_trio.backend import Backend
-from furnace_trio.config import ServerConfig
-from furnace_trio.default_model import default_model_path
-from furnace_trio.engine import Engine, EngineConfig
-from furnace_trio.model_thread import ModelThread
-from furnace_trio.plan import SampledToken, StepPlan
-from furnace_trio.tokenizer import Tokenizer
+from furnace_trio.core.plan import SampledToken, StepPlan
+from furnace_trio.engine.engine import Engine, EngineConfig
+from furnace_trio.engine.model_thread import ModelThread
+from furnace_trio.loading.default_model import default_model_path
+from furnace_trio.server.app import create_app
+from furnace_trio.server.backend import Backend
+from furnace_trio.server.config import ServerConfig
+from furnace_trio.loading.tokenizer import Tokenizer
 
 MODEL = "bench-stack"
 # The size of one streamed token's chat chunk.

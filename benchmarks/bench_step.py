@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from furnace_trio.loader import load_model
-from furnace_trio.model import KVCache
+from furnace_trio.loading.loader import load_model
+from furnace_trio.runtime.model import KVCache
 
 
 def _plans(
@@ -108,7 +108,7 @@ def main() -> None:
     kv_dtypes = args.kv_dtype.split(",")
     if args.baseline and len(kv_dtypes) > 1:
         raise SystemExit("--baseline takes one --kv-dtype")
-    current = importlib.import_module("furnace_trio.runner")
+    current = importlib.import_module("furnace_trio.runtime.runner")
     # side -> (runner module, KV dtype); the second side is the first's reference
     sides = {"current": (current, kv_dtypes[0])}
     if args.baseline:

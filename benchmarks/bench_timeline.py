@@ -17,7 +17,7 @@ the stages of a token, by wrapping, in this process only:
 - hypercorn's ``HTTPStream.app_send``: ``ASGI send`` (a chunk enters hypercorn);
 - Trio's ``SocketStream.send_all``: ``socket send`` and ``socket send returned``;
 - ``DirectSend.send`` (a streamed chunk written straight to the socket, the default, see
-  :mod:`furnace_trio.direct_send`): ``ASGI send`` on entry and ``socket send returned``
+  :mod:`furnace_trio.server.direct_send`): ``ASGI send`` on entry and ``socket send returned``
   once it returns (it has no separate ``socket send``).
 
 Every event is placed after the step end that precedes it; the table gives, per stage, the
@@ -50,11 +50,11 @@ from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio import serve as serve_asgi
 from trio.lowlevel import TrioToken
 
-from furnace_trio.direct_send import DirectSend
-from furnace_trio.engine import RequestStream
-from furnace_trio.model_thread import ModelThread
-from furnace_trio.plan import StepPlan
-from furnace_trio.runner import ModelRunner
+from furnace_trio.core.plan import StepPlan
+from furnace_trio.engine.engine import RequestStream
+from furnace_trio.engine.model_thread import ModelThread
+from furnace_trio.runtime.runner import ModelRunner
+from furnace_trio.server.direct_send import DirectSend
 
 STAGES = (
     "hand-off called",

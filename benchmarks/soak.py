@@ -375,8 +375,8 @@ def main() -> int:
         raise ValueError("--duration must be in (0, 3600] s and --clients in (0, 256]")
 
     sys.path.insert(0, str(ROOT / "src"))
-    from furnace_trio.app import STATE_KEY, create_app
-    from furnace_trio.config import ServerConfig
+    from furnace_trio.server.app import STATE_KEY, create_app
+    from furnace_trio.server.config import ServerConfig
 
     app = create_app(ServerConfig.from_env())
 

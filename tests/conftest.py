@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from furnace_trio.loader import LoadedModel
-from furnace_trio.tokenizer import Tokenizer
+from furnace_trio.loading.loader import LoadedModel
+from furnace_trio.loading.tokenizer import Tokenizer
 
 from .real_model import default_model
 

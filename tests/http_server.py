@@ -57,11 +57,11 @@ from dataclasses import dataclass, field  # noqa: E402
 
 import pytest  # noqa: E402
 
-from furnace_trio.app import STATE_KEY, ServerState, create_app  # noqa: E402
-from furnace_trio.backend import Backend  # noqa: E402
-from furnace_trio.config import ServerConfig  # noqa: E402
-from furnace_trio.engine import Engine, EngineConfig  # noqa: E402
-from furnace_trio.tokenizer import Tokenizer  # noqa: E402
+from furnace_trio.engine.engine import Engine, EngineConfig  # noqa: E402
+from furnace_trio.loading.tokenizer import Tokenizer  # noqa: E402
+from furnace_trio.server.app import STATE_KEY, ServerState, create_app  # noqa: E402
+from furnace_trio.server.backend import Backend  # noqa: E402
+from furnace_trio.server.config import ServerConfig  # noqa: E402
 
 from . import scripted  # noqa: E402
 
@@ -77,7 +77,7 @@ def default_script(prompt: tuple[int, ...], index: int) -> list[int]:
 @functools.cache
 def smollm2_tokenizer() -> Tokenizer:
     """The real tokenizer of the embedded model (skips the test when it is missing)."""
-    from furnace_trio.default_model import DefaultModelMissingError, default_model_path
+    from furnace_trio.loading.default_model import DefaultModelMissingError, default_model_path
 
     try:
         path = default_model_path()

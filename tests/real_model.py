@@ -14,13 +14,13 @@ from typing import Any
 import openai
 import pytest
 
-from furnace_trio.app import create_app
-from furnace_trio.backend import Backend
-from furnace_trio.config import ServerConfig
-from furnace_trio.default_model import DefaultModelMissingError
-from furnace_trio.engine import Engine, EngineConfig
-from furnace_trio.loader import LoadedModel, load_model
-from furnace_trio.runner import ModelRunner, RunnerConfig
+from furnace_trio.engine.engine import Engine, EngineConfig
+from furnace_trio.loading.default_model import DefaultModelMissingError
+from furnace_trio.loading.loader import LoadedModel, load_model
+from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
+from furnace_trio.server.app import create_app
+from furnace_trio.server.backend import Backend
+from furnace_trio.server.config import ServerConfig
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""A scripted :class:`~furnace_trio.plan.StepRunner` for engine and HTTP tests.
+"""A scripted :class:`~furnace_trio.core.plan.StepRunner` for engine and HTTP tests.
 
 It emits chosen tokens, keyed by the prompt, and checks the plans it gets: it simulates the
 paged KV pool (``kv[block][slot]`` holds the token written there) and, before sampling,
@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-from furnace_trio.plan import SampledToken, SampleSpec, StepPlan, TokenLogprob
+from furnace_trio.core.plan import SampledToken, SampleSpec, StepPlan, TokenLogprob
 
 EOS = 300
 #: id -> bytes for ids >= 256: "é" whole, "€" whole, then "😀" split in two pieces.

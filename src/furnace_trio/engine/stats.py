@@ -1,0 +1,188 @@
+"""Engine metrics: Prometheus-style histograms, counters, and the frozen snapshot the engine
+hands out (:meth:`furnace_trio.engine.engine.Engine.statistics`).
+
+All durations are seconds measured with ``trio.current_time()`` by the engine, so tests can
+drive them with ``autojump_clock``. Plain Python: rendering to the Prometheus text format
+belongs to the HTTP layer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+#: Latencies from a millisecond (a decode step on a GPU) to a minute (a long queue).
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+#: Request outcomes counted in :attr:`EngineStatistics.requests`.
+OUTCOMES: tuple[str, ...] = ("finished_stop", "finished_length", "aborted", "failed", "rejected")
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramSnapshot:
+    """``counts[i]`` observations were ``<= bounds[i]``; the last entry of ``counts`` is
+    the ``+Inf`` bucket, equal to ``count`` (Prometheus's cumulative ``le`` buckets)."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float
+    count: int
+
+
+class Histogram:
+    """Fixed buckets, O(log buckets) per observation."""
+
+    __slots__ = ("_bounds", "_buckets", "_count", "_sum")
+
+    def __init__(self, bounds: Sequence[float] = LATENCY_BUCKETS) -> None:
+        bounds = tuple(float(b) for b in bounds)
+        if not bounds or any(b >= c for b, c in itertools.pairwise(bounds)):
+            raise ValueError("histogram bounds must be non-empty and strictly increasing")
+        self._bounds = bounds
+        self._buckets = [0] * (len(bounds) + 1)  # per bucket, not cumulative; last is +Inf
+        self._sum = 0.0
+        self._count = 0
+
+    def observe(self, value: float) -> None:
+        self._buckets[bisect.bisect_left(self._bounds, value)] += 1
+        self._sum += value
+        self._count += 1
+
+    def snapshot(self) -> HistogramSnapshot:
+        cumulative: list[int] = []
+        total = 0
+        for n in self._buckets:
+            total += n
+            cumulative.append(total)
+        return HistogramSnapshot(self._bounds, tuple(cumulative), self._sum, self._count)
+
+
+def _no_outcomes() -> Mapping[str, int]:
+    return MappingProxyType(dict.fromkeys(OUTCOMES, 0))
+
+
+def _empty() -> HistogramSnapshot:
+    return Histogram().snapshot()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatistics:
+    """A snapshot of the engine. ``running`` counts sequences (``n`` per request).
+
+    KV accounting, for leak checks: ``kv_blocks_used`` blocks have references
+    (``kv_block_refs`` of them in all: running sequences, session pins, finished turns not
+    yet committed); ``kv_blocks_cached`` more hold reusable prefix-cache KV that no one
+    references. When idle (nothing running, waiting, in flight or in an open turn), every
+    reference is a session pin: ``kv_block_refs == session_pinned_blocks``.
+    """
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    requests: Mapping[str, int] = field(default_factory=_no_outcomes)
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    time_to_first_token: HistogramSnapshot = field(default_factory=_empty)
+    inter_token_latency: HistogramSnapshot = field(default_factory=_empty)
+    e2e_latency: HistogramSnapshot = field(default_factory=_empty)
+    queue_time: HistogramSnapshot = field(default_factory=_empty)
+    prefill_step_time: HistogramSnapshot = field(default_factory=_empty)
+    decode_step_time: HistogramSnapshot = field(default_factory=_empty)
+    alive: bool = True
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # of which were found (reused, not computed)
+    sessions: int = 0
+    session_pinned_blocks: int = 0
+    kv_blocks_cached: int = 0  # unreferenced prefix-cache blocks (evictable)
+    kv_block_refs: int = 0  # references held on blocks (a shared block counts per owner)
+    requests_in_flight: int = 0  # accepted, not yet finished, failed or aborted
+    turns_open: int = 0  # session turns whose request has not ended
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running, queued, in flight or in an open session turn."""
+        return not (self.running or self.waiting or self.requests_in_flight or self.turns_open)
+
+    def leaks(self) -> list[str]:
+        """What an idle engine should not hold (empty when nothing leaked). Only
+        meaningful when :attr:`idle`; a busy engine holds references legitimately."""
+        found = []
+        if self.kv_block_refs != self.session_pinned_blocks:
+            found.append(
+                f"{self.kv_block_refs} KV block references held, "
+                f"{self.session_pinned_blocks} of them by sessions"
+            )
+        if self.kv_blocks_used > self.session_pinned_blocks:
+            found.append(
+                f"{self.kv_blocks_used} KV blocks in use, sessions pin {self.session_pinned_blocks}"
+            )
+        return found
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    """The engine's mutable counters; :meth:`snapshot` freezes them."""
+
+    outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    time_to_first_token: Histogram = field(default_factory=Histogram)
+    inter_token_latency: Histogram = field(default_factory=Histogram)
+    e2e_latency: Histogram = field(default_factory=Histogram)
+    queue_time: Histogram = field(default_factory=Histogram)
+    prefill_step_time: Histogram = field(default_factory=Histogram)
+    decode_step_time: Histogram = field(default_factory=Histogram)
+
+    def count(self, outcome: str) -> None:
+        if outcome not in self.outcomes:
+            raise ValueError(f"unknown outcome {outcome!r}")
+        self.outcomes[outcome] += 1
+
+    def snapshot(
+        self,
+        *,
+        running: int,
+        waiting: int,
+        kv_used: int,
+        kv_total: int,
+        alive: bool,
+        prefix_queries: int = 0,
+        prefix_hits: int = 0,
+        sessions: int = 0,
+        session_pinned_blocks: int = 0,
+        kv_blocks_cached: int = 0,
+        kv_block_refs: int = 0,
+        requests_in_flight: int = 0,
+        turns_open: int = 0,
+    ) -> EngineStatistics:
+        return EngineStatistics(
+            running=running,
+            waiting=waiting,
+            kv_blocks_used=kv_used,
+            kv_blocks_total=kv_total,
+            requests=MappingProxyType(dict(self.outcomes)),
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            time_to_first_token=self.time_to_first_token.snapshot(),
+            inter_token_latency=self.inter_token_latency.snapshot(),
+            e2e_latency=self.e2e_latency.snapshot(),
+            queue_time=self.queue_time.snapshot(),
+            prefill_step_time=self.prefill_step_time.snapshot(),
+            decode_step_time=self.decode_step_time.snapshot(),
+            alive=alive,
+            prefix_cache_queries_total=prefix_queries,
+            prefix_cache_hits_total=prefix_hits,
+            sessions=sessions,
+            session_pinned_blocks=session_pinned_blocks,
+            kv_blocks_cached=kv_blocks_cached,
+            kv_block_refs=kv_block_refs,
+            requests_in_flight=requests_in_flight,
+            turns_open=turns_open,
+        )

@@ -1,0 +1,285 @@
+"""Load a GGUF file: metadata -> :class:`ModelConfig`, tensors -> float32 under HF Llama names.
+
+The header is parsed by :mod:`furnace_trio.loading.gguf_file` (fast, torch-free, shared with the
+tokenizer); the ``gguf`` package supplies the format's constants and the dequantization
+kernels (``gguf.quants.dequantize``), so every quant type it knows is supported here.
+
+llama.cpp's converter permutes the rows of ``q_proj``/``k_proj`` (and their biases) for the
+``llama`` architecture, to turn Hugging Face's "rotate half" RoPE layout into GGML's
+interleaved one; :func:`load_gguf` undoes that, so its output is interchangeable with
+:func:`furnace_trio.loading.hf_loader.load_hf_directory`. Qwen2/Qwen3 GGUFs are not permuted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from furnace_trio.loading.gguf_file import GGUFContents, GGUFTensorInfo, read_gguf
+from furnace_trio.loading.model_config import ModelConfig, RopeScaling, UnsupportedModelError
+
+__all__ = ["GGUFContents", "GGUFTensorInfo", "load_gguf", "read_gguf"]
+
+logger = logging.getLogger(__name__)
+
+# GGUF architecture name -> ModelConfig.architecture (Mistral GGUFs say "llama").
+_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Architectures whose converter permutes Q/K rows (llama.cpp ``LlamaModel.permute``).
+_PERMUTED_ARCHITECTURES = frozenset({"llama", "mistral"})
+# llama.cpp's default when a llama3 GGUF stores rope_freqs without the original context.
+_LLAMA3_ORIGINAL_CONTEXT = 8192
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def load_gguf(
+    path: str | Path, *, progress: bool = True
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load a Llama-family GGUF as a config and float32 weights under Hugging Face names.
+
+    Every tensor is dequantized (any type ``gguf.quants.dequantize`` supports) and renamed
+    as ``docs/architecture.md`` lists; Q/K permutation is undone for ``llama`` files. A
+    ``rope_freqs.weight`` tensor (llama3 GGUFs) is turned into :class:`RopeScaling`, not
+    returned as a weight. ``progress`` logs at INFO about every tenth of the tensors.
+    Raises :class:`UnsupportedModelError` for other architectures or unknown tensors.
+    """
+    started = time.perf_counter()
+    contents = read_gguf(path)
+    by_name = {info.name: info for info in contents.tensors}
+    data = np.memmap(contents.path, dtype=np.uint8, mode="r")
+    config = _config_from_metadata(contents, by_name, data)
+    gguf_arch = str(contents.metadata["general.architecture"])
+    permuted = gguf_arch in _PERMUTED_ARCHITECTURES
+    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+
+    weights: dict[str, torch.Tensor] = {}
+    todo = [info for info in contents.tensors if info.name != "rope_freqs.weight"]
+    step = max(1, len(todo) // 10)
+    for done, info in enumerate(todo, start=1):
+        hf_name = _hf_name(info.name)
+        tensor = torch.from_numpy(_dequantize(data, info))
+        projection = hf_name.rsplit(".", 2)[-2]
+        if permuted and projection in heads:
+            tensor = _unpermute(tensor, heads[projection])
+        weights[hf_name] = tensor
+        if progress and (done % step == 0 or done == len(todo)):
+            logger.info(
+                "%s: dequantized %d/%d tensors (%.1fs)",
+                contents.path.name,
+                done,
+                len(todo),
+                time.perf_counter() - started,
+            )
+    _check_complete(weights, config, contents.path)
+    return config, weights
+
+
+def _dequantize(data: np.memmap, info: GGUFTensorInfo) -> np.ndarray:
+    """Dequantize one tensor to a fresh, writable float32 array of ``info.shape``."""
+    raw = data[info.offset : info.offset + info.n_bytes]
+    qtype = info.qtype
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return np.array(raw.view(np.float32).reshape(info.shape))
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return raw.view(np.float16).astype(np.float32).reshape(info.shape)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows = raw.reshape(-1, info.shape[-1] // block_size * type_size)
+    try:
+        values = gguf.quants.dequantize(rows, qtype)
+    except NotImplementedError:
+        raise UnsupportedModelError(
+            f"tensor {info.name}: quantization {qtype.name} cannot be dequantized"
+        ) from None
+    return np.ascontiguousarray(values, dtype=np.float32).reshape(info.shape)
+
+
+def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Invert llama.cpp's ``permute``: per head, interleaved RoPE pairs -> two halves.
+
+    The converter did ``w.reshape(n_head, 2, head_dim // 2, *rest).swapaxes(1, 2)``; this
+    reads rows as ``(n_head, head_dim // 2, 2)`` and swaps back. Works for biases (1-D) too.
+    """
+    rest = weight.shape[1:]
+    half = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, half, 2, *rest).transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def _hf_name(name: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if (
+        len(parts) == 4
+        and parts[0] == "blk"
+        and parts[1].isdigit()
+        and parts[2] in _BLOCK_NAMES
+        and parts[3] in ("weight", "bias")
+    ):
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    raise UnsupportedModelError(f"unexpected tensor {name!r} in a Llama-family GGUF")
+
+
+def _config_from_metadata(
+    contents: GGUFContents, by_name: Mapping[str, GGUFTensorInfo], data: np.memmap
+) -> ModelConfig:
+    meta = contents.metadata
+    gguf_arch = meta.get("general.architecture")
+    if gguf_arch not in _ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{contents.path.name}: unsupported architecture {gguf_arch!r}; "
+            f"supported: {', '.join(sorted(_ARCHITECTURES))}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{gguf_arch}.{key}", default)
+        if value is None:
+            raise UnsupportedModelError(f"{contents.path.name}: missing {gguf_arch}.{key}")
+        return value
+
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    embed = by_name.get("token_embd.weight")
+    if embed is None:
+        raise UnsupportedModelError(f"{contents.path.name}: no token_embd.weight tensor")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab_size = len(tokens) if tokens else int(meta.get(f"{gguf_arch}.vocab_size", embed.shape[0]))
+    if vocab_size != embed.shape[0]:
+        # The embedding is what the forward pass indexes; a padded table wins.
+        logger.warning(
+            "%s: %d tokens but %d embedding rows; using the latter",
+            contents.path.name,
+            vocab_size,
+            embed.shape[0],
+        )
+        vocab_size = embed.shape[0]
+    head_count_kv = get("attention.head_count_kv", num_heads)
+    if isinstance(head_count_kv, list):  # per-layer lists exist in some GGUFs
+        if len(set(head_count_kv)) != 1:
+            raise UnsupportedModelError(f"{contents.path.name}: per-layer kv head counts")
+        head_count_kv = head_count_kv[0]
+    return ModelConfig(
+        architecture=_ARCHITECTURES[gguf_arch],
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(head_count_kv),
+        head_dim=int(get("attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length")),
+        tie_word_embeddings="output.weight" not in by_name,
+        attention_bias="blk.0.attn_q.bias" in by_name,
+        qk_norm="blk.0.attn_q_norm.weight" in by_name,
+        rope_scaling=_rope_scaling(contents, by_name, data),
+    )
+
+
+def _rope_scaling(
+    contents: GGUFContents, by_name: Mapping[str, GGUFTensorInfo], data: np.memmap
+) -> RopeScaling | None:
+    """Llama3 rope scaling from metadata, else recovered from a ``rope_freqs`` tensor.
+
+    llama.cpp's converter stores llama3 scaling as one divisor per frequency
+    (``rope_freqs.weight``), not as parameters. The divisors are 1 for high frequencies,
+    ``factor`` for low ones, and ``1 / ((1 - s) / factor + s)`` in between, with
+    ``s = (orig_ctx * freq / 2pi - low) / (high - low)`` linear in ``freq``. ``factor`` is
+    the largest divisor; ``orig_ctx`` comes from metadata or llama.cpp's 8192; ``low`` and
+    ``high`` are fitted from the middle band, and the result must reproduce the tensor.
+    """
+    meta = contents.metadata
+    arch = meta["general.architecture"]
+    scaling_type = meta.get(f"{arch}.rope.scaling.type")
+    info = by_name.get("rope_freqs.weight")
+    if scaling_type in (None, "none") and info is None:
+        return None
+    if scaling_type not in (None, "none", "llama3"):
+        raise UnsupportedModelError(f"{contents.path.name}: rope scaling {scaling_type!r}")
+    orig_ctx = int(
+        meta.get(f"{arch}.rope.scaling.original_context_length", _LLAMA3_ORIGINAL_CONTEXT)
+    )
+    if info is None:
+        # Only a type and factor in metadata: llama3's published band edges.
+        return RopeScaling(float(meta[f"{arch}.rope.scaling.factor"]), 1.0, 4.0, orig_ctx)
+    divisors = _dequantize(data, info).astype(np.float64).reshape(-1)
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    dim = 2 * divisors.size
+    freqs = theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    factor = float(divisors.max())
+    if factor <= 1.0:
+        return None
+    middle = (divisors > 1.0 + 1e-6) & (divisors < factor * (1 - 1e-6))
+    low, high = 1.0, 4.0
+    if middle.sum() >= 2:
+        smooth = (1.0 / divisors[middle] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        slope, intercept = np.polyfit(freqs[middle], smooth, 1)
+        span = orig_ctx / (2 * math.pi * slope)
+        low, high = float(-intercept * span), float(-intercept * span + span)
+    scaling = RopeScaling(factor, low, high, orig_ctx)
+    if not np.allclose(_llama3_divisors(freqs, scaling), divisors, rtol=1e-4):
+        raise UnsupportedModelError(
+            f"{contents.path.name}: rope_freqs.weight is not llama3 scaling with an original "
+            f"context of {orig_ctx}"
+        )
+    return scaling
+
+
+def _llama3_divisors(freqs: np.ndarray, s: RopeScaling) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter writes for llama3 scaling."""
+    wavelen = 2 * math.pi / freqs
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    middle = 1.0 / ((1 - smooth) / s.factor + smooth)
+    high_edge = s.original_max_position_embeddings / s.high_freq_factor
+    low_edge = s.original_max_position_embeddings / s.low_freq_factor
+    return np.where(wavelen < high_edge, 1.0, np.where(wavelen > low_edge, s.factor, middle))
+
+
+def _check_complete(weights: Mapping[str, torch.Tensor], config: ModelConfig, path: Path) -> None:
+    """Every tensor the forward pass needs is present (fail at load, not mid-request)."""
+    needed = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        needed.append("lm_head.weight")
+    for i in range(config.num_layers):
+        for part in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "self_attn.o_proj",
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ):
+            needed.append(f"model.layers.{i}.{part}.weight")
+    missing = [name for name in needed if name not in weights]
+    if missing:
+        raise UnsupportedModelError(f"{path.name}: missing tensors {missing[:5]}")

@@ -1,0 +1,143 @@
+"""Load a Hugging Face model directory: ``config.json`` + safetensors -> config, weights.
+
+Accepted: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and
+``Qwen3ForCausalLM`` checkpoints, in one ``model.safetensors`` or sharded through
+``model.safetensors.index.json``. Weights come back as float32 under their own (already
+Hugging Face Llama) names; a tied checkpoint has no ``lm_head.weight``, like a GGUF without
+``output.weight``, so both loaders' outputs are interchangeable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from furnace_trio.loading.model_config import ModelConfig, RopeScaling, UnsupportedModelError
+
+__all__ = ["load_hf_directory"]
+
+logger = logging.getLogger(__name__)
+
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_CLASS_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_hf_directory(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load ``config.json`` and the safetensors weights of a Hugging Face model directory.
+
+    Raises :class:`FileNotFoundError` naming ``config.json`` or the safetensors file when
+    one is missing, and :class:`UnsupportedModelError` naming the architecture when it is
+    not of the Llama family. ``lm_head.weight`` is dropped when embeddings are tied (some
+    checkpoints store the copy), so the result has one name per distinct tensor.
+    """
+    directory = Path(path)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{directory}: no config.json (not a Hugging Face model directory)")
+    raw = json.loads(config_path.read_text(encoding="utf-8"))
+    if not isinstance(raw, dict):
+        raise UnsupportedModelError(f"{config_path}: not a JSON object")
+    config = config_from_hf(raw)
+    weights: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(directory):
+        for name, tensor in load_file(file).items():
+            weights[name] = tensor.to(torch.float32)
+        logger.info("%s: loaded %s (%d tensors so far)", directory.name, file.name, len(weights))
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in weights:
+        raise UnsupportedModelError(f"{directory}: untied embeddings but no lm_head.weight")
+    return config, weights
+
+
+def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:
+    """Map a Hugging Face ``config.json`` object to :class:`ModelConfig`.
+
+    The architecture comes from ``model_type``, else from ``architectures``. Qwen2 always
+    has a qkv bias and Qwen3 always has q/k norms (their configs do not say so). Rope
+    parameters are read from ``rope_scaling`` (transformers 4) or ``rope_parameters``
+    (transformers 5, which also moves ``rope_theta`` in there).
+    """
+    arch = _architecture(raw)
+    hidden = int(raw["hidden_size"])
+    num_heads = int(raw["num_attention_heads"])
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    head_dim = raw.get("head_dim") or hidden // num_heads
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=arch == "qwen3",
+        rope_scaling=_rope_scaling(rope),
+    )
+
+
+def _architecture(raw: Mapping[str, Any]) -> str:
+    model_type = raw.get("model_type")
+    if model_type is not None:
+        if model_type not in _MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported model_type {model_type!r}; supported: {', '.join(_MODEL_TYPES)}"
+            )
+        return _MODEL_TYPES[model_type]
+    classes = raw.get("architectures") or []
+    for name in classes:
+        if name in _CLASS_TYPES:
+            return _CLASS_TYPES[name]
+    raise UnsupportedModelError(
+        f"unsupported architectures {classes!r}; supported: {', '.join(_CLASS_TYPES)}"
+    )
+
+
+def _rope_scaling(rope: Mapping[str, Any]) -> RopeScaling | None:
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise UnsupportedModelError(f"unsupported rope scaling {kind!r} (only llama3)")
+    return RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+    )
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    """The weight files, in index order for sharded checkpoints; each must exist."""
+    index_path = directory / _INDEX_FILE
+    if index_path.is_file():
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+        names = sorted(set(index.get("weight_map", {}).values()))
+        if not names:
+            raise UnsupportedModelError(f"{index_path}: empty weight_map")
+        files = [directory / name for name in names]
+    else:
+        files = [directory / _SINGLE_FILE]
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"{directory}: missing {file.name}")
+    return files

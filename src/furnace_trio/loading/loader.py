@@ -1,0 +1,91 @@
+"""One entry point for every model source: ``load_model(path) -> LoadedModel``.
+
+``None`` means the embedded default (SmolLM2-135M-Instruct); a ``.gguf`` file goes through
+:mod:`furnace_trio.loading.gguf_loader`; a directory through :mod:`furnace_trio.loading.hf_loader`. Either
+way the weights are float32 under Hugging Face Llama names, so the runtime never needs to
+know where a model came from.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from furnace_trio.loading.default_model import DEFAULT_MODEL_NAME, default_model_path
+from furnace_trio.loading.gguf_loader import load_gguf, read_gguf
+from furnace_trio.loading.hf_loader import load_hf_directory
+from furnace_trio.loading.model_config import ModelConfig, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from furnace_trio.loading.tokenizer import Tokenizer
+
+__all__ = ["LoadedModel", "load_model"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model ready to serve: its config, float32 weights, tokenizer and public name.
+
+    ``name`` is what ``/v1/models`` lists: :data:`DEFAULT_MODEL_NAME` for the embedded
+    default, else the directory name or the GGUF file's stem. ``source`` is the resolved
+    path that was read. The weights dict is not copied; treat it as read-only.
+    """
+
+    name: str
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: Path
+
+
+def load_model(path: str | Path | None = None) -> LoadedModel:
+    """Load a GGUF file or a Hugging Face directory, or the default model when ``None``.
+
+    Raises :class:`~furnace_trio.loading.default_model.DefaultModelMissingError` (with the install
+    command) when the default is asked for but not installed, :class:`FileNotFoundError`
+    for a path that does not exist, and :class:`UnsupportedModelError` for anything that is
+    neither a ``.gguf`` file nor a directory, or a model outside the Llama family.
+    """
+    from furnace_trio.loading.tokenizer import (
+        Tokenizer,  # another layer; imported late to keep this light
+    )
+
+    started = time.perf_counter()
+    if path is None:
+        source = default_model_path()
+        name = DEFAULT_MODEL_NAME
+    else:
+        source = Path(path).expanduser().resolve()
+        name = source.stem if source.is_file() else source.name
+    if not source.exists():
+        raise FileNotFoundError(f"model path {source} does not exist")
+    if source.is_dir():
+        config, weights = load_hf_directory(source)
+        tokenizer = Tokenizer.from_hf_directory(source)
+    elif source.is_file() and source.suffix.lower() == ".gguf":
+        config, weights = load_gguf(source)
+        # The tokenizer reads the same metadata; our header parser is much faster than
+        # gguf.GGUFReader on a large vocabulary, so hand it the fields when it can take them.
+        metadata = read_gguf(source).metadata
+        tokenizer = Tokenizer.from_gguf_fields(
+            {key: value for key, value in metadata.items() if key.startswith("tokenizer.")}
+        )
+    else:
+        raise UnsupportedModelError(
+            f"{source}: expected a .gguf file or a Hugging Face model directory"
+        )
+    logger.info(
+        "loaded %s from %s in %.1fs (%d tensors)",
+        name,
+        source,
+        time.perf_counter() - started,
+        len(weights),
+    )
+    return LoadedModel(name, config, weights, tokenizer, source)

@@ -1,0 +1,150 @@
+"""Build what the HTTP layer serves: model -> runner -> engine, from a :class:`ServerConfig`.
+
+:func:`load_backend` blocks for as long as loading the model takes; the app calls it in a
+worker thread before serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from furnace_trio.core.plan import ChunkPlan, StepPlan, StepRunner
+from furnace_trio.engine.engine import Engine, EngineConfig
+from furnace_trio.engine.model_thread import ModelThread
+from furnace_trio.loading.tokenizer import Tokenizer
+from furnace_trio.server.config import ServerConfig
+
+if TYPE_CHECKING:
+    from furnace_trio.runtime.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+#: Batch limits when none are configured: a CPU's step time grows with every sequence, so
+#: fewer run at once than on a GPU, whose step barely grows until the batch is large. On
+#: the CPU, 32 rather than 16: with 32 concurrent streams of the default model, 16 left
+#: half of them queued behind whole generations (TTFT p50 1.06 s over HTTP against 0.14 s
+#: with 32, and 4 to 8% less throughput); the price is each stream's ITL, which doubles
+#: when 32 decode instead of 16 (docs/benchmarks.md, tenth session).
+DEFAULT_LIMITS = {"cpu": (32, 512), "cuda": (128, 4096)}
+
+#: KV memory when none is configured: 46,592 tokens with the default model on a CPU (its
+#: float16 cache), enough for 32 streams of 1,400 tokens; on a GPU the default grows with
+#: the device's free memory. Admission reserves a request's worst case (prompt +
+#: ``max_tokens``), so longer requests run fewer at once.
+DEFAULT_KV_CACHE_MB_CPU = 1024
+GPU_KV_FRACTION = 0.5
+
+
+@dataclass(slots=True)
+class Backend:
+    engine: Engine
+    tokenizer: Tokenizer
+    model_name: str
+    max_context: int
+
+
+def _kv_cache_bytes(config: ServerConfig, device_type: str) -> int:
+    if config.kv_cache_mb is not None:
+        return config.kv_cache_mb << 20
+    if device_type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return int(free * GPU_KV_FRACTION)
+    return DEFAULT_KV_CACHE_MB_CPU << 20
+
+
+def warm_up(runner: ModelRunner, max_running: int) -> None:
+    """Run one small prefill and decode before serving, and on a GPU capture the decode
+    graphs of every batch size up to ``max_running`` (at the narrowest context width).
+
+    The first calls of a fresh process pay for lazy kernel selection and thread-pool start;
+    without this the first client's time to first token is several times the usual. The
+    cache slots written here belong to no sequence and are overwritten before being read.
+    """
+    table = tuple(range(min(runner.num_blocks, -(-9 // runner.block_size))))
+    runner.logits(StepPlan((ChunkPlan(0, (0,) * 8, 0, table),)))
+    runner.logits(StepPlan((ChunkPlan(0, (0,), 8, table),)))
+    runner.capture_graphs(max_running)
+
+
+def engine_config(config: ServerConfig, device_type: str) -> EngineConfig:
+    """The engine's settings: the server's, with the device's defaults for what it left unset."""
+    max_running, max_step_tokens = DEFAULT_LIMITS.get(device_type, DEFAULT_LIMITS["cpu"])
+    return EngineConfig(
+        max_running=config.max_running or max_running,
+        max_waiting=config.max_waiting,
+        max_step_tokens=config.max_step_tokens or max(max_step_tokens, config.max_running or 0),
+        session_ttl_s=config.session_ttl_s,
+        session_max_blocks=config.session_max_blocks,
+        max_sessions=config.max_sessions,
+        prefix_cache=config.prefix_cache,
+        step_timeout_s=config.step_timeout_s,
+        stream_interval=config.stream_interval,
+    )
+
+
+def build_engine(
+    runner: StepRunner,
+    tokenizer: Tokenizer,
+    config: ServerConfig,
+    device_type: str,
+    model_thread: ModelThread,
+) -> Engine:
+    """The server's engine over a loaded model: its tokenizer's decode (and decode table,
+    where it has one), EOS ids and token bytes, :func:`engine_config`'s settings, every
+    step on ``model_thread``. The benchmarks build theirs here too, so that they measure
+    the engine the server runs."""
+    return Engine(
+        runner,
+        decode=tokenizer.decode,
+        eos_token_ids=tokenizer.eos_token_ids,
+        token_bytes=tokenizer.token_to_bytes,
+        decode_table=tokenizer.decode_table(),
+        config=engine_config(config, device_type),
+        model_thread=model_thread,
+    )
+
+
+def load_backend(config: ServerConfig) -> Backend:
+    """Load the configured model (default: the embedded SmolLM2) and build its engine."""
+    from furnace_trio.loading.loader import LoadedModel, load_model
+    from furnace_trio.runtime.runner import ModelRunner, RunnerConfig, resolve_device
+
+    started = time.monotonic()
+    device = resolve_device(config.device)
+    settings = RunnerConfig(
+        device=str(device),
+        dtype=config.dtype,
+        kv_cache_bytes=_kv_cache_bytes(config, device.type),
+        kv_dtype=config.kv_cache_dtype,
+        max_context=config.max_context,
+        quantization=config.quantization,
+        cuda_graphs=None if config.cuda_graphs else False,
+    )
+
+    def build() -> tuple[LoadedModel, ModelRunner]:
+        loaded = load_model(config.model)
+        runner = ModelRunner.from_loaded(loaded, settings)
+        warm_up(runner, engine_config(config, device.type).max_running)
+        return loaded, runner
+
+    # Loading, warm-up and every step on one thread: see model_thread.py.
+    thread = ModelThread()
+    try:
+        loaded, runner = thread.call(build)
+    except BaseException:
+        thread.close()
+        raise
+    tokenizer = loaded.tokenizer
+    engine = build_engine(runner, tokenizer, config, device.type, thread)
+    logger.info("loaded %s in %.1f s", loaded.name, time.monotonic() - started)
+    return Backend(
+        engine=engine,
+        tokenizer=tokenizer,
+        model_name=config.model_name or loaded.name,
+        max_context=runner.max_context,
+    )

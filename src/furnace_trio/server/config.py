@@ -1,0 +1,220 @@
+"""Server configuration from ``FURNACE_*`` environment variables.
+
+Every value is parsed and checked once, at startup: a typo in a deployment should stop the
+server with a message naming the variable, not surface later as a confusing request error.
+Parsing does no I/O (the model path is not opened here; the backend factory does that).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+Device = Literal["cpu", "cuda", "auto"]
+DEVICES: tuple[str, ...] = ("cpu", "cuda", "auto")
+DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "q4")  # as quant.QUANTIZATIONS
+#: KV cache dtypes (``FURNACE_KV_CACHE_DTYPE``), as runner.KV_DTYPES.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "model", "float16", "int8")
+LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: Tool-call output formats (``auto``: from the model's chat template, see docs/tools.md).
+TOOL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3", "mistral")
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """An environment variable has an invalid value; the message names the variable."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything the HTTP server and the backend factory need to know.
+
+    ``model is None`` means the embedded default model; ``model_name is None`` means the name
+    the loader derives from the model. ``api_key is None`` disables authentication.
+    ``None`` for ``max_running``, ``max_step_tokens``, ``kv_cache_mb`` and ``max_context``
+    lets the backend choose by device (see :mod:`furnace_trio.server.backend`).
+    """
+
+    model: str | None = None
+    model_name: str | None = None
+    device: Device = "auto"
+    dtype: str = "auto"
+    api_key: str | None = None
+    max_running: int | None = None
+    max_waiting: int = 256
+    max_step_tokens: int | None = None
+    kv_cache_mb: int | None = None
+    kv_cache_dtype: str = "auto"
+    max_context: int | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    log_level: str = "INFO"
+    tool_parser: str = "auto"
+    quantization: str = "auto"
+    session_ttl_s: float = 1800.0
+    session_max_blocks: int | None = None
+    max_sessions: int = 1024
+    prefix_cache: bool = True
+    step_timeout_s: float = 120.0
+    stream_interval: int = 1
+    direct_send: bool = True
+    # A plain stream's deltas written by the engine's task as each step ends (needs
+    # direct_send; see RequestStream.attach_fast_lane).
+    fast_lane: bool = True
+    # All-decode steps on a GPU replayed from CUDA graphs (see furnace_trio.runtime.cuda_graphs).
+    cuda_graphs: bool = True
+    drain_timeout_s: float = 30.0
+    exit_on_engine_failure: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.tool_parser not in TOOL_PARSERS:
+            raise ConfigError(
+                f"tool parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"KV cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(
+                f"log level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
+        for name in ("max_waiting", "max_body_bytes", "stream_interval"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+        if self.session_ttl_s <= 0:
+            raise ConfigError("session_ttl_s must be > 0")
+        if not self.step_timeout_s > 0:
+            raise ConfigError("step_timeout_s must be > 0")
+        if not self.drain_timeout_s >= 0:
+            raise ConfigError("drain_timeout_s must be >= 0")
+        if self.max_sessions < 1:
+            raise ConfigError("max_sessions must be at least 1")
+        if self.session_max_blocks is not None and self.session_max_blocks < 0:
+            raise ConfigError("session_max_blocks must be >= 0")
+        for name in ("kv_cache_mb", "max_context", "max_running", "max_step_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> ServerConfig:
+        """Read ``FURNACE_*`` variables; unset or empty means the default.
+
+        Raises :class:`ConfigError` naming the variable on any invalid value.
+        """
+
+        def text(name: str) -> str | None:
+            value = environ.get(name, "").strip()
+            return value or None
+
+        def integer(name: str) -> int | None:
+            value = text(name)
+            if value is None:
+                return None
+            try:
+                number = int(value)
+            except ValueError:
+                raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+            if number < 1:
+                raise ConfigError(f"{name} must be at least 1, got {number}")
+            return number
+
+        def choice(name: str, choices: tuple[str, ...], *, upper: bool = False) -> str | None:
+            value = text(name)
+            if value is None:
+                return None
+            value = value.upper() if upper else value.lower()
+            if value not in choices:
+                raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+            return value
+
+        defaults = cls()
+        device = choice("FURNACE_DEVICE", DEVICES) or defaults.device
+        max_running = integer("FURNACE_MAX_RUNNING")
+        max_waiting = integer("FURNACE_MAX_WAITING")
+        max_step_tokens = integer("FURNACE_MAX_STEP_TOKENS")
+        max_body_bytes = integer("FURNACE_MAX_BODY_BYTES")
+        stream_interval = integer("FURNACE_STREAM_INTERVAL")
+        return cls(
+            model=text("FURNACE_MODEL"),
+            model_name=text("FURNACE_MODEL_NAME"),
+            device=device,  # type: ignore[arg-type]  # checked by choice()
+            dtype=choice("FURNACE_DTYPE", DTYPES) or defaults.dtype,
+            api_key=text("FURNACE_API_KEY"),
+            max_running=max_running,
+            max_waiting=max_waiting if max_waiting is not None else defaults.max_waiting,
+            max_step_tokens=max_step_tokens,
+            kv_cache_mb=integer("FURNACE_KV_CACHE_MB"),
+            kv_cache_dtype=choice("FURNACE_KV_CACHE_DTYPE", KV_CACHE_DTYPES)
+            or defaults.kv_cache_dtype,
+            max_context=integer("FURNACE_MAX_CONTEXT"),
+            max_body_bytes=max_body_bytes
+            if max_body_bytes is not None
+            else defaults.max_body_bytes,
+            log_level=choice("FURNACE_LOG_LEVEL", LOG_LEVELS, upper=True) or defaults.log_level,
+            tool_parser=choice("FURNACE_TOOL_PARSER", TOOL_PARSERS) or defaults.tool_parser,
+            quantization=choice("FURNACE_QUANT", QUANTIZATIONS) or defaults.quantization,
+            session_ttl_s=_positive_float(environ, "FURNACE_SESSION_TTL_S", defaults.session_ttl_s),
+            session_max_blocks=integer("FURNACE_SESSION_MAX_BLOCKS"),
+            max_sessions=integer("FURNACE_MAX_SESSIONS") or defaults.max_sessions,
+            prefix_cache=_flag(environ, "FURNACE_PREFIX_CACHE", defaults.prefix_cache),
+            step_timeout_s=_positive_float(
+                environ, "FURNACE_STEP_TIMEOUT_S", defaults.step_timeout_s
+            ),
+            stream_interval=stream_interval or defaults.stream_interval,
+            direct_send=_flag(environ, "FURNACE_DIRECT_SEND", defaults.direct_send),
+            fast_lane=_flag(environ, "FURNACE_FAST_LANE", defaults.fast_lane),
+            cuda_graphs=_flag(environ, "FURNACE_CUDA_GRAPHS", defaults.cuda_graphs),
+            drain_timeout_s=_positive_float(
+                environ, "FURNACE_DRAIN_TIMEOUT_S", defaults.drain_timeout_s, allow_zero=True
+            ),
+            exit_on_engine_failure=_flag(
+                environ, "FURNACE_EXIT_ON_ENGINE_FAILURE", defaults.exit_on_engine_failure
+            ),
+        )
+
+    @property
+    def log_level_number(self) -> int:
+        return logging.getLevelName(self.log_level)  # type: ignore[no-any-return]
+
+
+def _positive_float(
+    environ: Mapping[str, str], name: str, default: float, *, allow_zero: bool = False
+) -> float:
+    value = environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    if allow_zero and number == 0:
+        return number
+    if not (number > 0 and number != float("inf")):
+        raise ConfigError(f"{name} must be > 0, got {value!r}")
+    return number
+
+
+def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    value = environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name} must be true or false, got {value!r}")

@@ -1,0 +1,41 @@
+"""Prometheus text rendering of engine statistics."""
+
+from __future__ import annotations
+
+from furnace_trio.engine.stats import EngineMetrics, EngineStatistics
+from furnace_trio.server.metrics import render_metrics
+
+
+def test_render_metrics_has_every_family() -> None:
+    metrics = EngineMetrics()
+    metrics.time_to_first_token.observe(0.02)
+    metrics.time_to_first_token.observe(100.0)
+    metrics.count("finished_stop")
+    metrics.prompt_tokens_total = 12
+    stats = metrics.snapshot(running=2, waiting=1, kv_used=3, kv_total=12, alive=True)
+    text = render_metrics(stats, {200: 5, 400: 1}, engine_up=True)
+    lines = set(text.splitlines())
+    assert "furnace_engine_up 1" in lines
+    assert "furnace_requests_running 2" in lines
+    assert "furnace_requests_waiting 1" in lines
+    assert "furnace_kv_blocks_used 3" in lines
+    assert "furnace_kv_cache_usage_ratio 0.25" in lines
+    assert 'furnace_requests_total{outcome="finished_stop"} 1' in lines
+    assert 'furnace_requests_total{outcome="aborted"} 0' in lines
+    assert "furnace_prompt_tokens_total 12" in lines
+    assert "furnace_generation_tokens_total 0" in lines
+    assert 'furnace_time_to_first_token_seconds_bucket{le="0.025"} 1' in lines
+    assert 'furnace_time_to_first_token_seconds_bucket{le="+Inf"} 2' in lines
+    assert "furnace_time_to_first_token_seconds_count 2" in lines
+    assert "furnace_time_to_first_token_seconds_sum 100.02" in lines
+    for family in ("inter_token_latency", "e2e_request_latency", "request_queue_time"):
+        assert f"# TYPE furnace_{family}_seconds histogram" in lines
+    assert 'furnace_http_responses_total{status="400"} 1' in lines
+    assert text.endswith("\n")
+
+
+def test_render_metrics_without_backend() -> None:
+    text = render_metrics(None, {}, engine_up=False)
+    assert "furnace_engine_up 0" in text
+    assert "furnace_requests_running" not in text
+    assert render_metrics(EngineStatistics(), {}, engine_up=True).count("_bucket{") == 6 * 19

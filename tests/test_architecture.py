@@ -1,0 +1,103 @@
+"""The import contract: the folders of ``src/furnace_trio`` are layers, and imports flow down.
+
+    server -> engine -> tools -> loading -> text -> core
+    server -> runtime -> loading
+
+The engine runs the scheduler and streams in plain Python on Trio: it reaches the model only
+through :class:`furnace_trio.core.plan.StepRunner`, so it imports neither torch nor the
+runtime. Nothing below the server imports anything HTTP. ``nox -s lint`` runs this file.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "furnace_trio"
+
+#: Each layer and the layers of this package it may import (itself included).
+ALLOWED: dict[str, set[str]] = {
+    "server": {"server", "engine", "runtime", "loading", "tools", "text", "core"},
+    "engine": {"engine", "tools", "loading", "text", "core"},
+    "runtime": {"runtime", "loading", "text", "core"},
+    "loading": {"loading", "text", "core"},
+    "tools": {"tools", "loading", "text", "core"},
+    "text": {"text", "core"},
+    "core": {"core"},
+}
+HTTP = {"quart", "quart_trio", "hypercorn", "h11", "h2", "httpx", "werkzeug"}
+TORCH = {"torch"}
+#: Third-party packages a layer must not import.
+FORBIDDEN: dict[str, set[str]] = {
+    "server": set(),
+    "engine": HTTP | TORCH,
+    "runtime": HTTP,
+    "loading": HTTP,
+    "tools": HTTP | TORCH,
+    "text": HTTP | TORCH,
+    "core": HTTP | TORCH,
+}
+
+
+def modules() -> list[Path]:
+    return sorted(SRC.rglob("*.py"))
+
+
+def layer_of(path: Path) -> str | None:
+    parts = path.relative_to(SRC).parts
+    return parts[0] if len(parts) > 1 else None
+
+
+def imported(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted module) of every import in the file, functions' own included."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = ".".join(("furnace_trio", *path.relative_to(SRC).parts[:-1]))
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                name = ".".join([*base, node.module] if node.module else base)
+            else:
+                name = node.module or ""
+            found.append((node.lineno, name))
+    return found
+
+
+def test_every_module_lives_in_a_layer() -> None:
+    top = {p.name for p in SRC.glob("*.py")}
+    assert top == {"__init__.py", "app.py"}, "modules belong in a layer's folder"
+    assert {p.name for p in SRC.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(ALLOWED)
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_imports_flow_down(path: Path) -> None:
+    layer = layer_of(path)
+    if layer is None:
+        return
+    wrong = []
+    for line, name in imported(path):
+        parts = name.split(".")
+        if parts[0] == "furnace_trio":
+            if len(parts) > 1 and parts[1] in ALLOWED and parts[1] not in ALLOWED[layer]:
+                wrong.append(f"line {line}: {name}")
+        elif parts[0] in FORBIDDEN[layer]:
+            wrong.append(f"line {line}: {name}")
+    assert not wrong, f"{layer} may not import: {wrong}"
+
+
+def test_the_walker_sees_nested_and_relative_imports(tmp_path: Path) -> None:
+    """An import inside a function and a relative one are both found, so neither can slip
+    past the contract."""
+    sample = SRC / "engine" / "_contract_probe.py"
+    sample.write_text("from .scheduler import Scheduler\n\ndef f():\n    import torch\n")
+    try:
+        names = [name for _, name in imported(sample)]
+    finally:
+        sample.unlink()
+    assert names == ["furnace_trio.engine.scheduler", "torch"]

@@ -1,0 +1,144 @@
+"""Constrained decoding: llguidance masks on the SmolLM2 vocabulary, the sampler applying
+them, and the default model producing schema-valid JSON and valid calls over HTTP."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+import torch
+
+from furnace_trio.core.params import SamplingParams
+from furnace_trio.core.plan import SampleSpec
+from furnace_trio.runtime.sampling import sample
+from furnace_trio.tools.grammar import GrammarCompiler, GrammarError
+
+from ..http_server import smollm2_tokenizer
+from ..real_model import NAME, serve_real
+
+pytestmark = pytest.mark.model
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def _allowed(words: Any, token: int) -> bool:
+    return bool((int(words[token // 32]) >> (token % 32)) & 1)
+
+
+def test_mask_follows_the_schema_per_sequence() -> None:
+    tokenizer = smollm2_tokenizer()
+    constraint = GrammarCompiler(tokenizer).json_schema(PERSON)
+    text = '{"name":"Ann","age":7}'
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    for k, token in enumerate(tokens):
+        assert _allowed(constraint.allowed(1, tokens[:k]), token)
+    final = constraint.allowed(1, tokens)
+    assert [t for t in tokenizer.eos_token_ids if _allowed(final, t)]
+    assert not _allowed(final, tokens[0])
+    # another sequence of the same request starts from the beginning
+    first = constraint.allowed(2, [])
+    assert _allowed(first, tokens[0])
+    assert not _allowed(first, tokenizer.encode("hello", add_special_tokens=False)[0])
+
+
+def test_sampler_applies_the_mask() -> None:
+    tokenizer = smollm2_tokenizer()
+    constraint = GrammarCompiler(tokenizer).json_schema(None)
+    vocab = tokenizer.vocab_size
+    logits = torch.zeros(2, vocab)
+    hello = tokenizer.encode("hello", add_special_tokens=False)[0]
+    logits[:, hello] = 100.0  # what the "model" prefers
+    specs = [
+        SampleSpec(0, SamplingParams(temperature=0, constraint=constraint)),
+        SampleSpec(1, SamplingParams(temperature=0)),
+    ]
+    out = sample(logits, specs, [None, None])
+    assert out[1].token_id == hello
+    assert out[0].token_id != hello
+    assert _allowed(constraint.allowed(5, []), out[0].token_id)
+
+
+def test_bad_schema_is_a_grammar_error() -> None:
+    compiler = GrammarCompiler(smollm2_tokenizer())
+    with pytest.raises(GrammarError):
+        compiler.json_schema({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}})
+
+
+async def test_default_model_json_schema_and_forced_call() -> None:
+    async with (
+        serve_real() as (url, _),
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client,
+    ):
+        response_format: Any = {
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON},
+        }
+        messages: Any = [{"role": "user", "content": "Describe a person as JSON."}]
+        answer = await client.chat.completions.create(
+            model=NAME,
+            messages=messages,
+            response_format=response_format,
+            temperature=0,
+            max_tokens=60,
+        )
+        assert answer.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(answer.choices[0].message.content or ""), PERSON)
+
+        stream = await client.chat.completions.create(
+            model=NAME,
+            messages=messages,
+            response_format=response_format,
+            temperature=0,
+            max_tokens=60,
+            stream=True,
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert text == answer.choices[0].message.content
+
+        for stream_it in (False, True):
+            call_request: Any = {
+                "model": NAME,
+                "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                "temperature": 0,
+                "max_tokens": 60,
+            }
+            if not stream_it:
+                called = await client.chat.completions.create(**call_request)
+                choice = called.choices[0]
+                assert choice.finish_reason == "tool_calls"
+                calls = choice.message.tool_calls or []
+                name, arguments = calls[0].function.name, calls[0].function.arguments
+            else:
+                chunks = [
+                    c
+                    async for c in await client.chat.completions.create(**call_request, stream=True)
+                ]
+                entries = [
+                    e for c in chunks if c.choices for e in (c.choices[0].delta.tool_calls or [])
+                ]
+                name = entries[0].function.name if entries[0].function else None
+                arguments = "".join((e.function and e.function.arguments) or "" for e in entries)
+                assert chunks[-1].choices[0].finish_reason == "tool_calls"
+            assert name == "get_weather"
+            jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
