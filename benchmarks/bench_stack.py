@@ -16,12 +16,7 @@ the Trio thread's CPU time (``time.thread_time``) around the whole request:
 - ``engine``: furnace-trio's Engine over the sleeping runner, its stream consumed in
   process (scheduler, detokenizer, stream events: no HTTP);
 - ``furnace``: the server's app (``create_app``) over that engine under hypercorn, a
-  streamed chat completion (its deltas written straight to the socket by the engine's
-  task, the fast lane, the default: :mod:`furnace_trio.server.direct_send`);
-- ``furnace-no-fast-lane``: the same app with ``fast_lane=False`` (each delta woken into
-  the response's task, which writes it straight to the socket, as in the eleventh session);
-- ``furnace-hypercorn-send``: the same app with ``direct_send=False`` (every chunk through
-  hypercorn's send path, as before the eleventh session).
+  streamed chat completion (each delta sent by the response's task through hypercorn).
 
 So ``quart - wake`` is the stack's own cost per chunk, and ``furnace - engine`` what the
 HTTP side of furnace-trio costs on top of its engine, the stack included. Rows run in an
@@ -53,10 +48,10 @@ from furnace_trio.core.plan import SampledToken, StepPlan
 from furnace_trio.engine.engine import Engine, EngineConfig
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.loading.default_model import default_model_path
+from furnace_trio.loading.tokenizer import Tokenizer
 from furnace_trio.server.app import create_app
 from furnace_trio.server.backend import Backend
 from furnace_trio.server.config import ServerConfig
-from furnace_trio.loading.tokenizer import Tokenizer
 
 MODEL = "bench-stack"
 # The size of one streamed token's chat chunk.
@@ -74,10 +69,8 @@ ROWS = (
     "quart",
     "engine",
     "furnace",
-    "furnace-no-fast-lane",
-    "furnace-hypercorn-send",
 )
-FURNACE_ROWS = ("furnace", "furnace-no-fast-lane", "furnace-hypercorn-send")
+FURNACE_ROWS = ("furnace",)
 
 
 class SleepRunner:
@@ -214,10 +207,6 @@ async def main_async(args: argparse.Namespace, client: ClientProcess) -> dict[st
         "hypercorn": asgi_app(thread, step_s),
         "quart": quart_app(thread, step_s),
         "furnace": create_app(ServerConfig(), backend_factory=factory),
-        "furnace-no-fast-lane": create_app(ServerConfig(fast_lane=False), backend_factory=factory),
-        "furnace-hypercorn-send": create_app(
-            ServerConfig(direct_send=False), backend_factory=factory
-        ),
     }
 
     def exchange(port: int, request: bytes, expected: int) -> None:

@@ -16,9 +16,6 @@ the stages of a token, by wrapping, in this process only:
   engine side's consumer, woke with its token);
 - hypercorn's ``HTTPStream.app_send``: ``ASGI send`` (a chunk enters hypercorn);
 - Trio's ``SocketStream.send_all``: ``socket send`` and ``socket send returned``;
-- ``DirectSend.send`` (a streamed chunk written straight to the socket, the default, see
-  :mod:`furnace_trio.server.direct_send`): ``ASGI send`` on entry and ``socket send returned``
-  once it returns (it has no separate ``socket send``).
 
 Every event is placed after the step end that precedes it; the table gives, per stage, the
 median over steps of its first occurrence in microseconds after the step end (and of its
@@ -54,7 +51,6 @@ from furnace_trio.core.plan import StepPlan
 from furnace_trio.engine.engine import RequestStream
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.runtime.runner import ModelRunner
-from furnace_trio.server.direct_send import DirectSend
 
 STAGES = (
     "hand-off called",
@@ -118,7 +114,6 @@ def instrument(runner: ModelRunner, model_thread_id: int) -> None:
     around(RequestStream, "__anext__", None, "consumer has its event")
     around(HTTPStream, "app_send", "ASGI send", None)
     around(trio.SocketStream, "send_all", "socket send", "socket send returned")
-    around(DirectSend, "send", "ASGI send", "socket send returned")
 
 
 def timeline(recorded: list[tuple[str, float]]) -> dict[str, Any]:

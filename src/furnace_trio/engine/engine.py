@@ -271,14 +271,7 @@ class _PromptScores:
     scores: tuple[SampledToken, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class _Wake:
-    """Wakes a stream's consumer for events its fast lane left it (no content)."""
-
-
-_WAKE = _Wake()
-
-_Message = Admitted | Failed | _Token | _Finish | _PromptScores | _Wake
+_Message = Admitted | Failed | _Token | _Finish | _PromptScores
 
 
 class _State(enum.Enum):
@@ -305,8 +298,6 @@ class _Request:
     any_length: bool = False
     # per sample index, tokens held back for the next group (stream_interval > 1)
     held: dict[int, list[SampledToken]] = field(default_factory=dict)
-    # The stream's fast lane, while one is attached (RequestStream.attach_fast_lane).
-    fast_lane: Callable[[_Token], _Message | None] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -683,11 +674,6 @@ class Engine:
 
     def _send(self, request: _Request, message: _Message) -> bool:
         """Whether the message went out; a closed stream aborts the request."""
-        if request.fast_lane is not None and isinstance(message, _Token):
-            offered = request.fast_lane(message)
-            if offered is None:
-                return True
-            message = offered
         try:
             request.send.send_nowait(message)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -813,8 +799,6 @@ class RequestStream:
         self._ready: deque[Event] = deque()
         self._done = False
         self._closed = False
-        self._sink: Callable[[Delta], bool] | None = None
-        self._unfinished = False  # done, but the engine still runs the request
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -849,79 +833,13 @@ class RequestStream:
     def session_id(self) -> str | None:
         return self.turn.session_id if self.turn is not None else None
 
-    # -- the fast lane --------------------------------------------------------------------
-
-    def attach_fast_lane(self, sink: Callable[[Delta], bool]) -> bool:
-        """Hand this stream's deltas to ``sink`` in the engine's task, as the model step
-        that made them ends, instead of through the channel and this stream's consumer.
-
-        ``sink(delta)`` must not await or raise: ``True`` means it took the delta (it
-        has written it out), ``False`` that it did not (the consumer gets it, in order,
-        and the lane ends). A token is taken only while the consumer waits on an empty
-        channel, so the sink's output and the consumer's never cross; everything that is
-        not a delta (the finish, a failure) reaches the consumer as before. Returns whether
-        the lane was attached: only where every event a token makes is a delta (one
-        sample, no stop strings, no logprobs), and the stream is not over.
-        """
-        request = self._engine._requests.get(self.request_id)
-        params = self._params
-        fits = params.n == 1 and not params.stop and not self._want_logprobs
-        if request is None or self._closed or self._done or not fits:
-            return False
-        self._sink = sink
-        request.fast_lane = self._offer
-        return True
-
-    def detach_fast_lane(self) -> None:
-        """End the fast lane (idempotent): every later event goes through the channel."""
-        self._sink = None
-        request = self._engine._requests.get(self.request_id)
-        if request is not None:
-            request.fast_lane = None
-
-    def _offer(self, message: _Token) -> _Message | None:
-        """The engine offers a token message: ``None`` if the lane took it and everything
-        it made, else what to send through the channel instead (the message itself,
-        untouched, or a wake for the events the lane left in :attr:`_ready`)."""
-        sink = self._sink
-        stats = self._receive.statistics()
-        if (
-            sink is None
-            or self._closed
-            or stats.tasks_waiting_receive != 1  # the consumer is busy, or has a message
-            or stats.current_buffer_used
-            or self._ready
-        ):
-            return message
-        try:
-            self._handle(message)
-        except Exception as exc:  # in the consumer's task this would end its response
-            logger.exception("the fast lane of %s failed", self.request_id)
-            # A failure ends the stream; unlike the engine's own, this one leaves the
-            # request running, for close() to abort.
-            self._done = self._unfinished = True
-            self._ready.append(Failed(f"the stream failed: {exc}"))
-        while self._ready:
-            event = self._ready[0]
-            try:
-                taken = isinstance(event, Delta) and sink(event)
-            except Exception:
-                logger.exception("the fast lane of %s failed", self.request_id)
-                taken = False
-            if not taken:
-                self.detach_fast_lane()
-                return _WAKE
-            self._ready.popleft()
-        return None
-
     def close(self) -> None:
         """Abort the request if unfinished, end its session turn, and stop listening.
         Idempotent, never awaits."""
         if self._closed:
             return
-        self.detach_fast_lane()
         self._closed = True
-        if not self._done or self._unfinished:
+        if not self._done:
             self._engine.abort(self.request_id)
         if self.turn is not None:
             self._engine.end_turn(self.turn)
@@ -940,7 +858,7 @@ class RequestStream:
         elif isinstance(message, Failed):
             self._done = True
             self._ready.append(message)
-        elif not isinstance(message, _Wake):  # a wake carries nothing: _ready has it
+        else:
             self._ready.append(message)
 
     def _on_tokens(self, index: int, tokens: tuple[SampledToken, ...]) -> None:

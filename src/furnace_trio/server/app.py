@@ -66,8 +66,6 @@ from furnace_trio.engine.engine import (
 )
 from furnace_trio.engine.sessions import SessionBusy, SessionNotFound, Turn, owner_of
 from furnace_trio.server.config import ServerConfig
-from furnace_trio.server.direct_send import DirectSend
-from furnace_trio.server.direct_send import render_metrics as render_direct_send_metrics
 from furnace_trio.server.echo import Echo
 from furnace_trio.server.errors import APIError, invalid_request
 from furnace_trio.server.metrics import render_metrics
@@ -102,8 +100,7 @@ logger = logging.getLogger(__name__)
 
 BackendFactory = Callable[[ServerConfig], "Backend"]
 SCOPE_KEY = "furnace_trio.request_ids"
-#: The response's :class:`DirectSend`, where a stream's fast lane may use it.
-FAST_LANE_KEY = "furnace_trio.fast_lane"
+
 STATE_KEY = "furnace_trio"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 BUSY_RETRY_AFTER_S = 1
@@ -132,8 +129,7 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     http_responses: Counter[int] = field(default_factory=Counter)
     tool_call_fallbacks: Counter[str] = field(default_factory=Counter)
-    #: Body chunks :class:`DirectSend` wrote ("direct") or handed to hypercorn.
-    direct_send: Counter[str] = field(default_factory=Counter)
+
     grammar: GrammarCompiler | None = None
     draining: bool = False
     in_flight: int = 0  # HTTP requests inside the app right now
@@ -199,22 +195,12 @@ class AbortOnExit:
                 body_received.set()
             return message
 
-        direct: DirectSend | None = None
-
         async def counting_send(message: Any) -> None:
-            nonlocal direct
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 self.state.http_responses[status] += 1
                 if not body_received.is_set():
                     message = await _after_the_body(message, status, body_received)
-                config = self.state.config
-                if config is not None and config.direct_send:
-                    direct = DirectSend.of(send, scope["method"], status, self.state.direct_send)
-                    if direct is not None and config.fast_lane:
-                        scope[FAST_LANE_KEY] = direct  # type: ignore[literal-required]
-            elif direct is not None and await direct.send(message):
-                return
             await send(message)
 
         state = self.state
@@ -541,7 +527,6 @@ def _register_routes(app: QuartTrio, state: ServerState) -> None:
         stats = backend.engine.statistics() if backend is not None else None
         text = render_metrics(stats, state.http_responses, engine_up=state.engine_running)
         text += render_fallback_metrics(state.tool_call_fallbacks)
-        text += render_direct_send_metrics(state.direct_send)
         return Response(text, mimetype="text/plain; version=0.0.4")
 
     openapi_body = dumps(openapi_document())  # built from the validator's own field tables
@@ -970,7 +955,7 @@ async def _generate(
         )
     if parsed.stream:
         response = Response(
-            _stream_body(stream, collector, timing, parsed.include_usage, tools, request.scope),
+            _stream_body(stream, collector, timing, parsed.include_usage, tools),
             mimetype="text/event-stream",
             headers=SSE_HEADERS,
         )
@@ -1108,7 +1093,6 @@ async def _stream_body(
     timing: _Timing,
     include_usage: bool,
     tools: ToolCallStream | Echo | None = None,
-    scope: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[bytes]:
     """SSE body; ``finally`` aborts (sync, idempotent) however the generator ends."""
     try:
@@ -1118,13 +1102,6 @@ async def _stream_body(
                 if stream.session_id is not None:
                     first["session_id"] = stream.session_id
                 yield sse_event(first)
-        # Everything before this point has been sent: from here the deltas may go out
-        # from the engine's task (the fast lane), in order with what this sends.
-        direct = scope.get(FAST_LANE_KEY) if scope is not None else None
-        if isinstance(direct, DirectSend) and tools is None and isinstance(stream, RequestStream):
-            stream.attach_fast_lane(
-                _fast_lane_sink(stream, direct, collector, timing, include_usage)
-            )
         async for engine_event in stream:
             events = tools.translate(engine_event) if tools is not None else [engine_event]
             for event in events:
@@ -1149,35 +1126,6 @@ async def _stream_body(
     finally:
         stream.close()
         timing.log(collector)
-
-
-def _fast_lane_sink(
-    stream: RequestStream,
-    direct: DirectSend,
-    collector: Collector,
-    timing: _Timing,
-    include_usage: bool,
-) -> Callable[[Delta], bool]:
-    """A stream's fast lane: each delta's SSE event written to the socket from the
-    engine's task as its step ends, the same bytes :func:`_stream_chunks` would send,
-    without waking this response's task (see :meth:`RequestStream.attach_fast_lane`).
-    Where the socket cannot take a chunk whole, the lane ends and the rest goes out
-    through hypercorn before anything else."""
-
-    def sink(delta: Delta) -> bool:
-        if not direct.ready():
-            return False
-        if timing.first_token is None:
-            timing.first_token = time.monotonic()
-        if delta.text:
-            direct.write_now(
-                collector.content_event(delta.index, delta.text, include_usage=include_usage)
-            )
-            if direct.pending:
-                stream.detach_fast_lane()
-        return True
-
-    return sink
 
 
 def _stream_chunks(

@@ -61,10 +61,6 @@ class ServerConfig:
     prefix_cache: bool = True
     step_timeout_s: float = 120.0
     stream_interval: int = 1
-    direct_send: bool = True
-    # A plain stream's deltas written by the engine's task as each step ends (needs
-    # direct_send; see RequestStream.attach_fast_lane).
-    fast_lane: bool = True
     # All-decode steps on a GPU replayed from CUDA graphs (see furnace_trio.runtime.cuda_graphs).
     cuda_graphs: bool = True
     drain_timeout_s: float = 30.0
@@ -176,8 +172,6 @@ class ServerConfig:
                 environ, "FURNACE_STEP_TIMEOUT_S", defaults.step_timeout_s
             ),
             stream_interval=stream_interval or defaults.stream_interval,
-            direct_send=_flag(environ, "FURNACE_DIRECT_SEND", defaults.direct_send),
-            fast_lane=_flag(environ, "FURNACE_FAST_LANE", defaults.fast_lane),
             cuda_graphs=_flag(environ, "FURNACE_CUDA_GRAPHS", defaults.cuda_graphs),
             drain_timeout_s=_positive_float(
                 environ, "FURNACE_DRAIN_TIMEOUT_S", defaults.drain_timeout_s, allow_zero=True

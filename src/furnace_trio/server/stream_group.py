@@ -12,8 +12,7 @@ generator, which cannot keep a nursery open across a ``yield``. A task ends when
 stream does, and every stream ends when the group is closed or its request is aborted,
 so no task outlives its response for long. It has the surface of a
 :class:`~furnace_trio.engine.engine.RequestStream` that response code reads: iteration,
-:meth:`close` and :attr:`session_id`. It has no fast lane, which writes one stream's
-deltas: a group's chunks go through the response's task.
+:meth:`close` and :attr:`session_id`.
 """
 
 from __future__ import annotations
