@@ -104,6 +104,21 @@ def bench_llamacpp(session: nox.Session) -> None:
     session.run("python", "bench_llamacpp.py", *session.posargs)
 
 
+@nox.session(name="bench-models")
+def bench_models(session: nox.Session) -> None:
+    """Real sizes: a Llama-3.2-1B-shaped model (random weights, SmolLM2's tokenizer) made
+    here, converted and quantized to Q4_K_M by llama.cpp's own tools, served by
+    furnace-trio and by llama-server side by side: load time, peak memory, 1/4/16-stream
+    tok/s, TTFT, a 1,000-token prefill (~15 min, plus the llama.cpp build once).
+    ``nox -s bench-models -- --model 8b`` for the 8B shape (about 5 GB of Q4_K_M, and 16 GB
+    of bfloat16 on the way)."""
+    _install(session, "test")
+    session.install("sentencepiece")  # llama.cpp's convert_hf_to_gguf.py imports it
+    session.chdir("benchmarks")
+    args = session.posargs or ["--model", "1b", "--streams", "1,4,16", "--rounds", "3"]
+    session.run("python", "bench_llamacpp.py", *args)
+
+
 @nox.session
 def soak(session: nox.Session) -> None:
     """32 clients for 3 minutes against the default model on 127.0.0.1, with early

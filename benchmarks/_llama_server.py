@@ -107,6 +107,20 @@ def build_llama_server(isa: str = "native", version: str = LLAMA_CPP_PYTHON) -> 
     return binary
 
 
+def build_llama_tool(target: str, isa: str = "native", version: str = LLAMA_CPP_PYTHON) -> Path:
+    """Another of llama.cpp's programs (``llama-quantize``, ``llama-perplexity``) from the
+    same sources and build directory as :func:`build_llama_server`'s."""
+    tree = llama_cpp_source(version)
+    build = tree / ("build" if isa == "native" else f"build-{isa}")
+    binary = build / "bin" / target
+    if binary.is_file():
+        return binary
+    build_llama_server(isa, version)
+    jobs = str(os.cpu_count() or 1)
+    subprocess.run(["cmake", "--build", str(build), "--target", target, "-j", jobs], check=True)
+    return binary
+
+
 def find_llama_server(explicit: str | None = None, isa: str = "native") -> Path:
     """The ``llama-server`` binary to run (see the module's docstring for the order). For
     ``isa="avx2"`` only an explicit path or this module's own build."""

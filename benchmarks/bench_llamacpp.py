@@ -1,13 +1,17 @@
 """furnace-trio against llama.cpp's own server, on this machine, the same GGUF file.
 
-Both servers run at once on loopback, each with both cores (``llama-server -t N -tb N``
-for N visible cores; furnace-trio as users run it, ``hypercorn furnace_trio.app:app``,
-``FURNACE_QUANT`` per ``--quant``, default q4: what ``auto`` runs), serving the default
-model's file (SmolLM2-135M-Instruct, Q4_1). Both decode at most ``--slots`` sequences at
-once (default 16: the 16 slots the issue ran llama.cpp's server with; furnace-trio's own
-default ``FURNACE_MAX_RUNNING`` on the CPU is 32): llama-server gets that many slots, each
-with room for ``--slot-ctx`` tokens, and furnace-trio ``FURNACE_MAX_RUNNING``. Continuous
-batching and prompt caching are on by default in both, and both keep a float16 KV cache.
+Both servers run on loopback, each with both cores (``llama-server -t N -tb N`` for N
+visible cores; furnace-trio as users run it, ``hypercorn furnace_trio.app:app``,
+``FURNACE_QUANT`` per ``--quant``, default ``auto``: a GGUF's own blocks wherever a native
+kernel takes them). They serve the default model's file (SmolLM2-135M-Instruct, Q4_1), or
+``--model``: a GGUF path, or ``1b`` / ``8b`` for a Llama-3.2-1B- / Llama-3.1-8B-shaped model
+with random weights, converted and quantized (``--model-type``, default Q4_K_M) by
+llama.cpp's own tools (``_model_shapes.py``). Both decode at most ``--slots`` sequences at
+once (default 16; furnace-trio's own default ``FURNACE_MAX_RUNNING`` on the CPU is 32):
+llama-server gets that many slots, each with room for ``--slot-ctx`` tokens, and
+furnace-trio ``FURNACE_MAX_RUNNING``. Continuous batching and prompt caching are on by
+default in both, and both keep a float16 KV cache (1 GiB by default for furnace-trio; 16
+slots of 2,048 tokens for llama-server, 1 GiB for a 1B shape).
 
 Each round runs every workload on one server and then on the other, the order alternating
 from round to round, so both see the same phases of this machine; a server's figures are
@@ -18,13 +22,18 @@ ratios with their range. Workloads: closed loops of streaming chat completions (
 first token of a ~1,000-token prompt that starts with the round's number, so that neither
 server's prompt cache holds more of it than the chat template's system message.
 
+The servers start one after the other, each alone on the machine: the time until its
+``/health`` (or llama-server's) answers 200 is its load time. Peak resident memory is
+read at the end (``VmHWM`` of the server and its children).
+
 Every completion must report ``--max-tokens`` completion tokens (``usage``), so both
 servers did the same work; both servers' greedy answers to one prompt are printed.
 
     python benchmarks/bench_llamacpp.py [--llama-server PATH] [--rounds 5] [--quant q4]
                                         [--streams 1,4,16,32] [--max-tokens 64] [--quick]
                                         [--isa native|avx2] [--slots 16]
-                                        [--llama-model GGUF]
+                                        [--llama-model GGUF] [--model GGUF|1b|8b]
+                                        [--model-type Q4_K_M]
 
 Without ``--llama-server`` (or ``$LLAMA_SERVER``, or ``llama-server`` on ``PATH``) it
 builds one from PyPI's ``llama-cpp-python`` sources first (``_llama_server.py``).
@@ -49,6 +58,7 @@ from pathlib import Path
 import httpx
 from _common import PROMPTS, long_prompt_text, machine, pct
 from _llama_server import find_llama_server, llama_server_version
+from _model_shapes import SHAPES, gguf_file
 from bench_http import Result, closed_loop, free_port, serve, wait_ready
 
 from furnace_trio.loading.default_model import default_model_path
@@ -69,15 +79,16 @@ def start_llama_server(
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
 
-def rss_mb(pid: int) -> float:
-    """Resident memory of ``pid`` and its descendants (hypercorn runs its worker in a child)."""
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """Resident memory of ``pid`` and its descendants (hypercorn runs its worker in a
+    child); ``field="VmHWM"`` for each process's peak."""
     total = 0.0
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 total += int(line.split()[1]) / 1024
     with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return total + sum(rss_mb(int(child)) for child in f.read().split())
+        return total + sum(rss_mb(int(child), field) for child in f.read().split())
 
 
 class RetryOnceTransport(httpx.AsyncHTTPTransport):
@@ -105,6 +116,7 @@ class Server:
     proc: subprocess.Popen[bytes]
     model: str = ""
     results: dict[str, list[Result]] = field(default_factory=dict)
+    load_s: float = 0.0
     transports: list[RetryOnceTransport] = field(default_factory=list)
 
     def client(self) -> httpx.AsyncClient:
@@ -190,7 +202,7 @@ def report(furnace: Server, llama: Server) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--llama-server", help="the llama-server binary (else found or built)")
-    parser.add_argument("--quant", default="q4", help="furnace-trio's runtime (bench_http)")
+    parser.add_argument("--quant", default="auto", help="furnace-trio's FURNACE_QUANT")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--streams", default="1,4,16,32")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -198,6 +210,8 @@ def main() -> None:
     parser.add_argument(
         "--llama-model", help="another GGUF for llama.cpp only (e.g. a Q4_0 requantization)"
     )
+    parser.add_argument("--model", help="a GGUF both serve, or 1b / 8b (built by _model_shapes.py)")
+    parser.add_argument("--model-type", default="Q4_K_M", help="the type of a built 1b / 8b")
     parser.add_argument("--slot-ctx", type=int, default=2048, help="llama-server's per slot")
     parser.add_argument("--quick", action="store_true", help="1 round, 1 and 4 streams")
     parser.add_argument(
@@ -216,29 +230,38 @@ def main() -> None:
 
     binary = find_llama_server(args.llama_server, args.isa)
     LLAMA_LOG.parent.mkdir(parents=True, exist_ok=True)
-    gguf = default_model_path()
+    if args.model in SHAPES:
+        gguf = gguf_file(args.model, args.model_type)
+    else:
+        gguf = Path(args.model) if args.model else default_model_path()
     print(f"machine: {machine()}")
     print(f"llama-server: {binary} ({llama_server_version(binary)})")
     llama_gguf = Path(args.llama_model) if args.llama_model else gguf
     print(f"model: {gguf.name}; furnace-trio runtime {args.quant}; max_tokens {max_tokens}")
     print(f"llama.cpp's model: {llama_gguf}")
     print(f"instruction sets: {args.isa}; at most {args.slots} sequences decoding at once")
-    furnace_env = {"FURNACE_MAX_RUNNING": str(args.slots)}
+    furnace_env = {"FURNACE_MAX_RUNNING": str(args.slots), "FURNACE_MODEL": str(gguf)}
     if args.isa == "avx2":
         furnace_env["FURNACE_NATIVE_FLAGS"] = "-mno-avx512f"
 
     port = free_port()
+    started = time.perf_counter()
     furnace = Server(SERVERS[0], f"http://127.0.0.1:{port}", serve(args.quant, port, furnace_env))
-    port = free_port()
-    llama = Server(
-        SERVERS[1],
-        f"http://127.0.0.1:{port}",
-        start_llama_server(binary, llama_gguf, port, args.slots, args.slot_ctx, LLAMA_LOG),
-    )
-    servers = (furnace, llama)
+    servers: tuple[Server, ...] = (furnace,)
     try:
+        wait_ready(furnace.base_url, furnace.proc, timeout=1800)
+        furnace.load_s = time.perf_counter() - started
+        port = free_port()
+        started = time.perf_counter()
+        llama = Server(
+            SERVERS[1],
+            f"http://127.0.0.1:{port}",
+            start_llama_server(binary, llama_gguf, port, args.slots, args.slot_ctx, LLAMA_LOG),
+        )
+        servers = (furnace, llama)
+        wait_ready(llama.base_url, llama.proc, timeout=1800)
+        llama.load_s = time.perf_counter() - started
         for server in servers:
-            wait_ready(server.base_url, server.proc)
             server.model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
             # Warm-up: the first requests of a process pay for lazy setup in both.
             asyncio.run(one_round(server, -1, [(1, 1), (4, 1)], 8))
@@ -250,9 +273,13 @@ def main() -> None:
                 print(f"round {r + 1}/{rounds}: {server.name} {time.perf_counter() - start:.1f} s")
         for server in servers:
             answer = asyncio.run(greedy_answer(server, PROMPTS[0], 32))
-            print(f"{server.name}, RSS {rss_mb(server.proc.pid):.0f} MB, greedy: {answer!r}")
+            print(
+                f"{server.name}: healthy {server.load_s:.1f} s after its start, RSS "
+                f"{rss_mb(server.proc.pid):.0f} MB, peak {rss_mb(server.proc.pid, 'VmHWM'):.0f}"
+                f" MB, greedy: {answer!r}"
+            )
     except Exception:
-        print(f"llama-server's log: {LLAMA_LOG}; exit status {llama.proc.poll()}")
+        print(f"llama-server's log: {LLAMA_LOG}; exit status {servers[-1].proc.poll()}")
         raise
     finally:
         for server in servers:
