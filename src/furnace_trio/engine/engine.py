@@ -61,10 +61,10 @@ import trio
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import SampledToken, StepRunner
 from furnace_trio.engine.block_pool import BlockPool
+from furnace_trio.engine.kv_cache_manager import KeptKV, KVCacheManager
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.engine.scheduler import (
     FinishReason,
-    KeptKV,
     SampleOutput,
     ScheduledStep,
     Scheduler,
@@ -335,8 +335,9 @@ class Engine:
         self.config = config
         self.max_context = min(config.max_context or runner.max_context, runner.max_context)
         self._pool = BlockPool(runner.num_blocks, runner.block_size, caching=config.prefix_cache)
+        self._kv = KVCacheManager(self._pool)
         self._scheduler = Scheduler(
-            self._pool,
+            self._kv,
             max_running=config.max_running,
             max_step_tokens=config.max_step_tokens,
             max_context=self.max_context,
@@ -349,7 +350,7 @@ class Engine:
             ttl_s=config.session_ttl_s,
             max_blocks=runner.num_blocks // 2 if max_blocks is None else max_blocks,
             max_sessions=config.max_sessions,
-            release=self._pool.free,
+            release=self._kv.unpin,
         )
         self._scheduler.reclaim = self._reclaim
         self._next_expiry = 0.0
@@ -444,7 +445,7 @@ class Engine:
         if run is not None:
             kept = run.kept or self._scheduler.pop_kept(turn.request_id or "")
             if kept is not None:
-                self._pool.free(kept.blocks)
+                self._kv.unpin(kept.blocks)
         self.sessions.end_turn(turn, trio.current_time())
 
     def get_session(self, session_id: str, owner: str) -> Session:
@@ -504,8 +505,8 @@ class Engine:
             kv_used=self._pool.num_used,
             kv_total=self._pool.num_blocks,
             alive=self.alive,
-            prefix_queries=self._scheduler.prefix_queries,
-            prefix_hits=self._scheduler.prefix_hits,
+            prefix_queries=self._kv.prefix_queries,
+            prefix_hits=self._kv.prefix_hits,
             sessions=len(self.sessions),
             session_pinned_blocks=self.sessions.pinned_blocks,
             kv_blocks_cached=pool.num_unreferenced_cached,
