@@ -240,7 +240,7 @@ async def run_all(
                     nursery.start_soon(one, i)
             texts.extend(outcomes)
         if evictions is not None:
-            evictions.append(engine._pool.evictions)
+            evictions.append(engine.statistics().kv_blocks_evicted_total)
     return texts
 
 
