@@ -50,11 +50,10 @@ import enum
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import ChunkPlan, SampledToken, SampleSpec, StepPlan
-from furnace_trio.engine.block_pool import BlockKey
 from furnace_trio.engine.kv_cache_manager import (
     NO_COMPUTED_BLOCKS,
     ComputedBlocks,
@@ -63,14 +62,9 @@ from furnace_trio.engine.kv_cache_manager import (
     RequestBlocks,
     SeqBlocks,
 )
+from furnace_trio.engine.sequence import Group, Seq, SeqStatus
 
 logger = logging.getLogger(__name__)
-
-
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 class StepMismatch(ValueError):
@@ -80,45 +74,6 @@ class StepMismatch(ValueError):
 class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
-
-
-@dataclass(slots=True, eq=False)
-class Seq:
-    """One sequence: a request's single sample, or the prompt-only parent of ``n > 1``.
-
-    Invariants: ``num_computed_tokens <= len(token_ids)``; once admitted, ``kv.block_table``
-    covers the first ``num_computed_tokens`` positions (the KV cache manager owns ``kv``).
-    """
-
-    seq_id: int
-    group: Group
-    index: int | None  # sample index; None for the parent of n > 1
-    params: SamplingParams
-    token_ids: list[int]
-    kv: SeqBlocks
-    num_computed_tokens: int = 0
-    status: SeqStatus = SeqStatus.WAITING
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.group.prompt)
-
-
-@dataclass(slots=True, eq=False)
-class Group:
-    """One request: its prompt sequence and its ``n`` samples (the same sequence if n == 1)."""
-
-    request_id: str
-    prompt: tuple[int, ...]
-    params: SamplingParams
-    blocks_needed: int
-    prefill: Seq | None = None  # None once the prompt ran and the children forked
-    samples: list[Seq] = field(default_factory=list)
-    num_live: int = 0  # samples not finished
-    status: SeqStatus = SeqStatus.WAITING
-    prompt_keys: tuple[BlockKey, ...] = ()  # chain keys of the prompt's full blocks
-    cached_tokens: int = 0  # prompt tokens reused from the prefix cache at admission
-    keep_kv: bool = False
 
 
 @dataclass(frozen=True, slots=True)
