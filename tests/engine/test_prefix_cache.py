@@ -20,7 +20,7 @@ from furnace_trio.engine.kv_cache_manager import KVCacheManager
 from furnace_trio.engine.scheduler import Scheduler
 
 from ..scripted import EOS, ScriptedRunner, encode
-from .test_engine import collect, request, serving
+from .harness import collect, request, serving
 
 # -- the pool ---------------------------------------------------------------------------------
 
