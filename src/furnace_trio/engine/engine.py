@@ -22,12 +22,8 @@ and :meth:`Engine.abort`, which run on the same Trio thread, so there are no loc
   turns false and :meth:`Engine.submit` raises :class:`EngineUnavailable`: no request
   ever hangs. :meth:`Engine.run` then returns instead of raising, because an exception
   escaping quart-trio's lifespan nursery is only logged while the server goes on.
-- Steps run on one :class:`~furnace_trio.engine.model_thread.ModelThread` for the engine's life
-  (OpenMP thread teams are per thread; see that module).
-- Watchdog: a step that runs past ``step_timeout_s`` kills the engine the same way. A
-  thread cannot be killed, so the engine abandons the step (under a shielded scope whose
-  own deadline is the watchdog: nothing else can cancel a step) and the thread finishes
-  whenever it finishes; no other step ever starts, because the engine is dead. Every
+- Watchdog: a step that runs past ``step_timeout_s`` kills the engine the same way; its
+  thread is abandoned (see :meth:`Engine._run_step`) and no other step ever starts. Every
   :class:`Failed` carries a :class:`FailureCause`, so the HTTP layer can tell "the model
   failed on this request" (500) from "the server cannot serve" (503).
 - Drain: :meth:`Engine.drain` stops admitting but lets every accepted request (running or
