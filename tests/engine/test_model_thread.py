@@ -7,12 +7,13 @@ import time
 
 import pytest
 import trio
+import trio.testing
 
 from furnace_trio.engine.engine import Engine, EngineConfig
 from furnace_trio.engine.model_thread import ModelThread
 
 from ..scripted import EOS, ScriptedRunner, decode, token_bytes
-from .test_engine import collect, request
+from .harness import collect, request
 
 
 async def test_calls_run_on_one_thread_in_order() -> None:
@@ -73,13 +74,15 @@ def test_a_call_outliving_its_trio_run_does_not_stop_the_thread() -> None:
         with trio.move_on_after(0.05):
             await thread.run(slow)
 
-    trio.run(give_up)
+    trio.run(give_up, clock=trio.testing.MockClock(autojump_threshold=0))
     release.set()
     assert thread.submit(lambda: "alive").result(timeout=10) == "alive"
     thread.close()
 
 
-async def test_a_cancelled_call_is_abandoned_and_later_calls_queue_behind_it() -> None:
+async def test_a_cancelled_call_is_abandoned_and_later_calls_queue_behind_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     thread = ModelThread()
     release = threading.Event()
     finished: list[str] = []
@@ -101,11 +104,10 @@ def test_close_lets_the_thread_exit() -> None:
     thread = ModelThread(name="furnace-model-test-close")
     thread.call(time.sleep, 0)
     thread.close()
-    for _ in range(100):
-        if not any(t.name == "furnace-model-test-close" for t in threading.enumerate()):
-            break
-        time.sleep(0.01)
-    else:
+    for t in threading.enumerate():
+        if t.name == "furnace-model-test-close":
+            t.join(timeout=1)
+    if any(t.name == "furnace-model-test-close" for t in threading.enumerate()):
         pytest.fail("the model thread did not exit after close()")
 
 

@@ -16,10 +16,11 @@ from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import SampledToken
 from furnace_trio.engine.block_pool import BlockPool, block_key, prefix_keys
 from furnace_trio.engine.engine import Admitted, Engine, EngineConfig, GenerationRequest
+from furnace_trio.engine.kv_cache_manager import KVCacheManager
 from furnace_trio.engine.scheduler import Scheduler
 
 from ..scripted import EOS, ScriptedRunner, encode
-from .test_engine import collect, request, serving
+from .harness import collect, request, serving
 
 # -- the pool ---------------------------------------------------------------------------------
 
@@ -78,7 +79,7 @@ def test_caching_off_reuses_nothing() -> None:
 
 def make(num_blocks: int = 32, block_size: int = 4) -> Scheduler:
     return Scheduler(
-        BlockPool(num_blocks, block_size),
+        KVCacheManager(BlockPool(num_blocks, block_size)),
         max_running=4,
         max_step_tokens=64,
         max_context=1024,
@@ -100,24 +101,28 @@ def test_repeated_prompt_starts_after_the_cached_blocks() -> None:
     prompt = list(range(1, 11))  # 10 tokens: 2 full blocks of 4
     s.add("a", prompt, SamplingParams(max_tokens=2))
     run_to_end(s)
-    assert s.pool.num_used == 0 and s.pool.num_cached >= 2
+    assert s.kv.pool.num_used == 0 and s.kv.pool.num_cached >= 2
     s.add("b", prompt, SamplingParams(max_tokens=2))
     step = s.schedule()
     assert step is not None and step.cached_tokens == (8,)
     (chunk,) = step.plan.chunks
     assert chunk.start_pos == 8 and chunk.token_ids == (9, 10)
-    assert s.prefix_queries == 20 and s.prefix_hits == 8
+    assert s.kv.prefix_queries == 20 and s.kv.prefix_hits == 8
 
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_scored_prompt_is_computed_whole_each_position_scoring_the_next_token(n: int) -> None:
     s = Scheduler(
-        BlockPool(64, 4), max_running=4, max_step_tokens=4, max_context=1024, eos_token_ids={0}
+        KVCacheManager(BlockPool(64, 4)),
+        max_running=4,
+        max_step_tokens=4,
+        max_context=1024,
+        eos_token_ids={0},
     )
     prompt = list(range(1, 11))
     s.add("a", prompt, SamplingParams(max_tokens=2))
     run_to_end(s)
-    assert s.pool.num_cached >= 2
+    assert s.kv.pool.num_cached >= 2
     s.add("b", prompt, SamplingParams(max_tokens=2, prompt_logprobs=3, n=n))
     chunks = []
     while (step := s.schedule()) is not None:
@@ -145,8 +150,8 @@ def test_a_fully_cached_prompt_still_computes_its_last_block() -> None:
     (chunk,) = step.plan.chunks
     # the last token needs logits, and its block is never written while shared: it is redone
     assert chunk.start_pos == 4 and len(chunk.samples) == 1
-    assert chunk.block_table[0] == s.pool.match(prefix_keys(prompt, 4))[0]
-    assert chunk.block_table[1] != s.pool.match(prefix_keys(prompt, 4))[1]
+    assert chunk.block_table[0] == s.kv.pool.match(prefix_keys(prompt, 4))[0]
+    assert chunk.block_table[1] != s.kv.pool.match(prefix_keys(prompt, 4))[1]
 
 
 def test_admission_counts_revived_blocks_and_reuse_shrinks_the_reservation() -> None:
@@ -154,15 +159,15 @@ def test_admission_counts_revived_blocks_and_reuse_shrinks_the_reservation() -> 
     prompt = list(range(1, 14))  # 13 tokens: 3 full blocks
     s.add("a", prompt, SamplingParams(max_tokens=4))  # needs blocks_for(16) = 4
     run_to_end(s)
-    assert s.pool.num_free == 6  # 3 cached + 3 plain, all free
+    assert s.kv.pool.num_free == 6  # 3 cached + 3 plain, all free
     # 13 + 8 - 1 = 20 positions = 5 blocks, 3 of them cached: 2 more are needed
     s.add("b", prompt, SamplingParams(max_tokens=8))
     s.add("c", [99] * 9, SamplingParams(max_tokens=1))  # 3 blocks, none cached
     step = s.schedule()
     assert step is not None and step.admitted == ("b",)  # c does not fit behind b
-    assert s._reserved + s.pool.num_used <= 6
+    assert s.kv.num_reserved + s.kv.pool.num_used <= 6
     run_to_end(s)
-    assert s.pool.num_used == 0 and s._reserved == 0
+    assert s.kv.pool.num_used == 0 and s.kv.num_reserved == 0
 
 
 def test_n2_children_reuse_the_cached_prompt() -> None:
@@ -174,7 +179,7 @@ def test_n2_children_reuse_the_cached_prompt() -> None:
     step = s.schedule()
     assert step is not None and step.cached_tokens == (8,)
     run_to_end(s)
-    assert s.pool.num_used == 0
+    assert s.kv.pool.num_used == 0
 
 
 def test_random_workload_with_shared_prefixes_keeps_the_pool_consistent() -> None:
@@ -194,7 +199,7 @@ def test_random_workload_with_shared_prefixes_keeps_the_pool_consistent() -> Non
         step = s.schedule()
         if step is None:
             continue
-        assert s.pool.num_free >= s._reserved
+        assert s.kv.pool.num_free >= s.kv.num_reserved
         tokens = [
             SampledToken(x.seq_id, rng.choice([0, 5, 6]))
             for c in step.plan.chunks
@@ -204,8 +209,8 @@ def test_random_workload_with_shared_prefixes_keeps_the_pool_consistent() -> Non
         live &= set(s.running) | {g.request_id for g in s.waiting}
     for rid in list(live):
         s.abort(rid)
-    assert s.pool.num_used == 0 and s._reserved == 0
-    assert s.prefix_hits > 0
+    assert s.kv.pool.num_used == 0 and s.kv.num_reserved == 0
+    assert s.kv.prefix_hits > 0
 
 
 # -- the engine, with the scripted runner checking every context -------------------------------
@@ -235,7 +240,7 @@ async def run_all(
                     nursery.start_soon(one, i)
             texts.extend(outcomes)
         if evictions is not None:
-            evictions.append(engine._pool.evictions)
+            evictions.append(engine.statistics().kv_blocks_evicted_total)
     return texts
 
 
@@ -377,7 +382,11 @@ def test_a_scored_prompt_aborted_between_chunks_is_released_to_the_runner() -> N
     """The runner keeps a scored prompt's scores by its sequence until its samples are
     drawn; an abort before then releases that sequence (the parent of n = 2 too)."""
     s = Scheduler(
-        BlockPool(64, 4), max_running=4, max_step_tokens=4, max_context=1024, eos_token_ids={0}
+        KVCacheManager(BlockPool(64, 4)),
+        max_running=4,
+        max_step_tokens=4,
+        max_context=1024,
+        eos_token_ids={0},
     )
     s.add("a", list(range(1, 11)), SamplingParams(max_tokens=2, prompt_logprobs=0, n=2))
     step = s.schedule()

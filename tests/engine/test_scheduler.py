@@ -9,6 +9,7 @@ import pytest
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import SampledToken
 from furnace_trio.engine.block_pool import BlockPool
+from furnace_trio.engine.kv_cache_manager import KVCacheManager
 from furnace_trio.engine.scheduler import (
     FinishReason,
     SampleOutput,
@@ -24,7 +25,7 @@ def make(
     num_blocks: int = 64, block_size: int = 4, max_running: int = 4, max_step_tokens: int = 16
 ) -> Scheduler:
     return Scheduler(
-        BlockPool(num_blocks, block_size),
+        KVCacheManager(BlockPool(num_blocks, block_size)),
         max_running=max_running,
         max_step_tokens=max_step_tokens,
         max_context=1024,
@@ -56,7 +57,7 @@ def test_prompt_then_decode_with_one_counter() -> None:
     assert chunk.samples[0].output_token_ids == (7,)
     step, outs = run_step(s, 9)
     assert outs[0].finish is FinishReason.LENGTH
-    assert not s.has_work and s.pool.num_used == 0
+    assert not s.has_work and s.kv.pool.num_used == 0
     assert s.schedule() is None  # idle: the release waits for the next plan
     s.add("b", [1], SamplingParams())
     step, _ = run_step(s)
@@ -115,10 +116,10 @@ def test_n_forks_after_one_prefill() -> None:
     assert len(step.plan.block_copies) == 3
     assert {src for src, _ in step.plan.block_copies} == {partial}
     assert [c.block_table[0] for c in step.plan.chunks] == [full] * 3
-    assert s.pool.refcount(full) == 3
-    assert s.pool.refcount(partial) == 0  # the parent let go
+    assert s.kv.pool.refcount(full) == 3
+    assert s.kv.pool.refcount(partial) == 0  # the parent let go
     s.abort("a")
-    assert s.pool.num_used == 0 and s.num_running == 0
+    assert s.kv.pool.num_used == 0 and s.num_running == 0
 
 
 def test_eos_stop_ids_and_ignore_eos() -> None:
@@ -144,9 +145,9 @@ def test_abort_during_a_step_frees_now_and_update_ignores_it() -> None:
     s.add("b", [4, 5], SamplingParams())
     step = s.schedule()
     assert step is not None
-    used = s.pool.num_used
+    used = s.kv.pool.num_used
     assert s.abort("a") and not s.abort("a")
-    assert s.pool.num_used < used
+    assert s.kv.pool.num_used < used
     outs = s.update(step, answer(step))
     assert [o.request_id for o in outs] == ["b"]
 
@@ -180,7 +181,7 @@ def test_failed_step_drops_its_requests_and_keeps_releases() -> None:
     step = s.schedule()
     assert step is not None and step.plan.released
     assert s.fail(step) == ["b"]
-    assert s.pool.num_used == 0
+    assert s.kv.pool.num_used == 0
     s.add("c", [3], SamplingParams())
     step = s.schedule()
     assert step is not None
@@ -216,7 +217,7 @@ def test_random_workload_keeps_the_pool_consistent() -> None:
         if step is None:
             continue
         assert step.plan.num_tokens <= 12
-        assert s.pool.num_free >= s._reserved
+        assert s.kv.pool.num_free >= s.kv.num_reserved
         tokens = [
             SampledToken(sp.seq_id, rng.choice([EOS, 5, 6, 7, 8]))
             for c in step.plan.chunks
@@ -228,4 +229,4 @@ def test_random_workload_keeps_the_pool_consistent() -> None:
         live &= set(s.running) | {g.request_id for g in s.waiting}
     for rid in list(live):
         s.abort(rid)
-    assert s.pool.num_used == 0 and s._reserved == 0 and s.num_running == 0
+    assert s.kv.pool.num_used == 0 and s.kv.num_reserved == 0 and s.num_running == 0

@@ -13,7 +13,7 @@ from furnace_trio.engine.engine import Admitted, Engine, EngineConfig, Generatio
 from furnace_trio.engine.sessions import SessionBusy, SessionNotFound, SessionStore, turn_seed
 
 from ..scripted import EOS, ScriptedRunner, encode
-from .test_engine import collect, serving
+from .harness import collect, serving
 
 # -- the store --------------------------------------------------------------------------------
 

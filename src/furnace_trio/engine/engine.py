@@ -15,31 +15,25 @@ and :meth:`Engine.abort`, which run on the same Trio thread, so there are no loc
   N > 1, a sample's first token goes out at once and the rest in groups of N (and at its
   end), each group one message and one :class:`Delta`: the consumer's task wakes, and the
   HTTP layer writes a chunk, once per group instead of once per token.
-- Text work runs in the consumer's task, in :meth:`RequestStream.__anext__`: incremental
-  detokenization and stop strings cost the engine loop nothing, and a stop-string match
-  ends its sample through the same synchronous abort path as a disconnect.
+- Text work runs in the consumer's task (:mod:`~furnace_trio.engine.stream`), which
+  reaches the engine only through :class:`~furnace_trio.engine.stream.StreamOwner`.
 - Failure isolation: a raising ``runner.step`` fails only the requests of that plan. If the
   engine task itself dies (a bug), every stream gets :class:`Failed`, :attr:`Engine.alive`
   turns false and :meth:`Engine.submit` raises :class:`EngineUnavailable`: no request
   ever hangs. :meth:`Engine.run` then returns instead of raising, because an exception
   escaping quart-trio's lifespan nursery is only logged while the server goes on.
-- Steps run on one :class:`~furnace_trio.engine.model_thread.ModelThread` for the engine's life
-  (OpenMP thread teams are per thread; see that module).
-- Watchdog: a step that runs past ``step_timeout_s`` kills the engine the same way. A
-  thread cannot be killed, so the engine abandons the step (under a shielded scope whose
-  own deadline is the watchdog: nothing else can cancel a step) and the thread finishes
-  whenever it finishes; no other step ever starts, because the engine is dead. Every
+- Watchdog: a step that runs past ``step_timeout_s`` kills the engine the same way; its
+  thread is abandoned (see :meth:`Engine._run_step`) and no other step ever starts. Every
   :class:`Failed` carries a :class:`FailureCause`, so the HTTP layer can tell "the model
   failed on this request" (500) from "the server cannot serve" (503).
 - Drain: :meth:`Engine.drain` stops admitting but lets every accepted request (running or
   queued) finish; :meth:`Engine.cancel_all` then fails whatever is left, and :meth:`run`
   returns once nothing is left.
-- Prefix cache and sessions: the block pool keeps finished requests' full blocks cached
-  (see :mod:`~furnace_trio.engine.block_pool`); :class:`Admitted` reports the reused tokens. A
-  request carrying a session :class:`~furnace_trio.engine.sessions.Turn` pins its KV when it
-  finishes; the handler then commits the reply (:meth:`Engine.commit_turn`) and always ends
-  the turn (:meth:`Engine.end_turn`; :meth:`Engine.abort` ends it too), so a turn that is
-  cancelled or fails leaves its session exactly as it was.
+- Prefix cache and sessions: :class:`Admitted` reports the tokens reused from the cache
+  (:mod:`~furnace_trio.engine.kv_cache_manager`). A request carrying a session turn pins its
+  KV when it finishes; the handler commits the reply (:meth:`Engine.commit_turn`) and
+  always ends the turn (:meth:`Engine.end_turn`; :meth:`Engine.abort` ends it too), see
+  :mod:`~furnace_trio.engine.session_turns`.
 """
 
 from __future__ import annotations
@@ -49,31 +43,48 @@ import dataclasses
 import enum
 import logging
 import math
-import uuid
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import trio
 
-from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import SampledToken, StepRunner
 from furnace_trio.engine.block_pool import BlockPool
+from furnace_trio.engine.config import EngineConfig
+from furnace_trio.engine.errors import (
+    EngineBusy,
+    EngineError,
+    EngineUnavailable,
+    RequestRejected,
+    RequestTooLarge,
+    check_request,
+)
+from furnace_trio.engine.events import (
+    Admitted,
+    Delta,
+    Event,
+    Failed,
+    FailureCause,
+    Finished,
+    GenerationRequest,
+    LogprobEntry,
+    TopLogprob,
+)
+from furnace_trio.engine.kv_cache_manager import KVCacheManager
+from furnace_trio.engine.messages import Finish, Message, PromptScores, Tokens
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.engine.scheduler import (
     FinishReason,
-    KeptKV,
     SampleOutput,
     ScheduledStep,
     Scheduler,
     StepMismatch,
 )
-from furnace_trio.engine.sessions import Session, SessionStore, Turn, TurnState
+from furnace_trio.engine.session_turns import SessionTurns
+from furnace_trio.engine.sessions import Session, SessionStore, Turn
 from furnace_trio.engine.stats import EngineMetrics, EngineStatistics
-from furnace_trio.text.detokenizer import Detokenizer, make_detokenizer
-from furnace_trio.text.stop_strings import StopStringMatcher
+from furnace_trio.engine.stream import RequestStream, TokenText
 
 logger = logging.getLogger(__name__)
 
@@ -98,180 +109,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    max_running: int = 16  # sequences decoding at once
-    max_waiting: int = 256  # queued requests before EngineBusy
-    max_step_tokens: int = 512  # tokens per step (decode tokens + prefill chunks)
-    max_context: int | None = None  # default runner.max_context
-    session_ttl_s: float = 1800.0  # idle sessions expire after this
-    session_max_blocks: int | None = None  # pinned KV of all sessions; None: half the pool
-    max_sessions: int = 1024
-    prefix_cache: bool = True  # reuse cached KV of equal prompt prefixes
-    step_timeout_s: float | None = None  # watchdog: a longer step kills the engine
-    # A sample's tokens after its first reach its stream in groups of this many (and at its
-    # end): fewer, larger deltas, less work per token above the model (vLLM's
-    # --stream-interval). 1 streams every token.
-    stream_interval: int = 1
-
-    def __post_init__(self) -> None:
-        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
-            raise ValueError("step_timeout_s must be > 0")
-        if self.session_ttl_s <= 0:
-            raise ValueError("session_ttl_s must be > 0")
-        if self.session_max_blocks is not None and self.session_max_blocks < 0:
-            raise ValueError("session_max_blocks must be >= 0")
-        if self.max_sessions < 1:
-            raise ValueError("max_sessions must be at least 1")
-        if self.max_running < 1:
-            raise ValueError("max_running must be at least 1")
-        if self.max_waiting < 0:
-            raise ValueError("max_waiting must be >= 0")
-        if self.max_step_tokens < self.max_running:
-            raise ValueError("max_step_tokens must be at least max_running")
-        if self.max_context is not None and self.max_context < 2:
-            raise ValueError("max_context must be at least 2")
-        if self.stream_interval < 1:
-            raise ValueError("stream_interval must be at least 1")
-
-
-# -- errors ---------------------------------------------------------------------------------
-
-
-class EngineError(Exception):
-    """Base of the errors :meth:`Engine.submit` raises."""
-
-
-class EngineBusy(EngineError):
-    """The wait queue is full: HTTP 503 with ``Retry-After``."""
-
-
-class RequestRejected(EngineError, ValueError):
-    """Bad input (empty prompt, longer than the context): HTTP 400."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class RequestTooLarge(EngineError):
-    """The request could never fit the KV pool (or ``max_running``): HTTP 503, no retry."""
-
-
-class EngineUnavailable(EngineError):
-    """Not started, dead, or shutting down: HTTP 503."""
-
-
-# -- events ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    """Once per request, when its prefill starts."""
-
-    prompt_tokens: int
-    cached_tokens: int
-    queue_time: float
-
-
-@dataclass(frozen=True, slots=True)
-class TopLogprob:
-    token: str
-    token_id: int
-    logprob: float
-    bytes: tuple[int, ...] | None
-
-
-@dataclass(frozen=True, slots=True)
-class LogprobEntry:
-    token: str
-    token_id: int
-    logprob: float | None  # None: an echoed prompt's first token
-    bytes: tuple[int, ...] | None
-    top: tuple[TopLogprob, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Delta:
-    """New text of sample ``index``, with every token id since the previous delta of it."""
-
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[LogprobEntry, ...]
-    #: With ``prompt_logprobs``, on the sample's first delta: the prompt's tokens after
-    #: the first, scored.
-    prompt_logprobs: tuple[LogprobEntry, ...] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """Once per sample index; ``completion_tokens`` excludes an EOS/stop token."""
-
-    index: int
-    reason: Literal["stop", "length"]
-    completion_tokens: int
-
-
-class FailureCause(enum.Enum):
-    """Why a request failed: its own model step (the server goes on), the engine (dead or
-    stuck: nothing more will be served), or a shutdown that outlasted the drain."""
-
-    MODEL = "model"
-    ENGINE = "engine"
-    SHUTDOWN = "shutdown"
-
-
-@dataclass(frozen=True, slots=True)
-class Failed:
-    """Terminal for the whole request."""
-
-    message: str
-    cause: FailureCause = FailureCause.MODEL
-
-
-Event = Admitted | Delta | Finished | Failed
-
-
-def _new_request_id() -> str:
-    return uuid.uuid4().hex
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationRequest:
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    request_id: str = field(default_factory=_new_request_id)
-    turn: Turn | None = None  # the session turn this request is (n == 1 only)
-
-
-# -- engine -> stream messages ----------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Token:
-    """Tokens of sample ``index``, in order: one, or up to ``stream_interval`` held back."""
-
-    index: int
-    tokens: tuple[SampledToken, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _Finish:
-    index: int
-    reason: FinishReason
-
-
-@dataclass(frozen=True, slots=True)
-class _PromptScores:
-    """The scored prompt tokens of sample ``index`` (``prompt_logprobs``), before its first
-    token."""
-
-    index: int
-    scores: tuple[SampledToken, ...]
-
-
-_Message = Admitted | Failed | _Token | _Finish | _PromptScores
+_DEFAULT_CONFIG = EngineConfig()  # frozen, so one default is safe to share
 
 
 class _State(enum.Enum):
@@ -289,7 +127,7 @@ class _Request:
 
     request_id: str
     num_prompt_tokens: int
-    send: trio.MemorySendChannel[_Message]
+    send: trio.MemorySendChannel[Message]
     submitted_at: float
     done: list[bool]
     live: int
@@ -298,15 +136,6 @@ class _Request:
     any_length: bool = False
     # per sample index, tokens held back for the next group (stream_interval > 1)
     held: dict[int, list[SampledToken]] = field(default_factory=dict)
-
-
-@dataclass(slots=True, eq=False)
-class _TurnRun:
-    """A session turn's request: the seed it samples with and, once it finished, its pins."""
-
-    turn: Turn
-    seed: int | None
-    kept: KeptKV | None = None
 
 
 class Engine:
@@ -320,38 +149,35 @@ class Engine:
         eos_token_ids: frozenset[int],
         token_bytes: Callable[[int], bytes] | None = None,
         decode_table: Sequence[bytes] | None = None,
-        config: EngineConfig = EngineConfig(),  # frozen, so one default is safe to share
+        config: EngineConfig = _DEFAULT_CONFIG,
         model_thread: ModelThread | None = None,
     ) -> None:
         self._runner = runner
         # Steps run on one thread for the engine's life (see model_thread.py); a backend
         # passes the thread that loaded the model.
         self._model_thread = model_thread if model_thread is not None else ModelThread()
-        self._decode = decode
-        # Each id's bytes in decode's output, where decode is their concatenation
-        # (Tokenizer.decode_table): streams then detokenize without calling decode.
-        self._decode_table = decode_table
-        self._token_bytes = token_bytes
+        self._text = TokenText(decode, decode_table, token_bytes)
         self.config = config
         self.max_context = min(config.max_context or runner.max_context, runner.max_context)
         self._pool = BlockPool(runner.num_blocks, runner.block_size, caching=config.prefix_cache)
+        self._kv = KVCacheManager(self._pool)
         self._scheduler = Scheduler(
-            self._pool,
+            self._kv,
             max_running=config.max_running,
             max_step_tokens=config.max_step_tokens,
             max_context=self.max_context,
             eos_token_ids=eos_token_ids,
         )
         self._requests: dict[str, _Request] = {}
-        self._turns: dict[str, _TurnRun] = {}  # by request id, until the turn ends
         max_blocks = config.session_max_blocks
         self.sessions = SessionStore(
             ttl_s=config.session_ttl_s,
             max_blocks=runner.num_blocks // 2 if max_blocks is None else max_blocks,
             max_sessions=config.max_sessions,
-            release=self._pool.free,
+            release=self._kv.unpin,
         )
-        self._scheduler.reclaim = self._reclaim
+        self._turns = SessionTurns(self.sessions, self._kv, self._scheduler.pop_kept)
+        self._scheduler.reclaim = self._turns.reclaim
         self._next_expiry = 0.0
         self._wake = trio.Event()
         self._state = _State.NEW
@@ -406,9 +232,15 @@ class Engine:
             self._scheduler.abort(request_id)
             self._metrics.count("aborted")
             request.send.close()
-        run = self._turns.get(request_id)
-        if run is not None:
-            self.end_turn(run.turn)
+        self._turns.end_for(request_id)
+
+    def stop_sample(self, request_id: str, index: int) -> None:
+        """End one sample as 'stop' (a stop string matched in its stream). Never awaits."""
+        request = self._requests.get(request_id)
+        if request is None or request.done[index]:
+            return
+        self._scheduler.abort_sample(request_id, index)
+        self._finish_sample(request, index, FinishReason.STOP)
 
     # -- sessions -------------------------------------------------------------------------
 
@@ -417,45 +249,23 @@ class Engine:
     ) -> Turn:
         """Start a session turn (creating the session); raises ``SessionBusy``,
         ``SessionNotFound`` or ``ValueError``. The caller must :meth:`end_turn` it."""
-        return self.sessions.begin_turn(session_id, owner, new_messages, trio.current_time())
+        return self._turns.begin(session_id, owner, new_messages)
 
     def commit_turn(self, turn: Turn, reply: Mapping[str, Any]) -> bool:
         """Append the finished turn and its ``reply`` to the session, with the KV its
         request pinned. ``False`` (nothing changed) unless its request finished."""
-        run = self._turns.get(turn.request_id or "")
-        if run is None or run.kept is None or turn.state is not TurnState.OPEN:
-            return False
-        kept, run.kept = run.kept, None
-        self.sessions.commit(
-            turn,
-            reply,
-            token_ids=kept.token_ids,
-            blocks=kept.blocks,
-            output_token_ids=kept.output_token_ids,
-            seed=run.seed,
-            now=trio.current_time(),
-        )
-        return True
+        return self._turns.commit(turn, reply)
 
     def end_turn(self, turn: Turn) -> None:
         """Free the session for its next turn; uncommitted pins are dropped. Idempotent,
         never awaits (safe in ``finally`` and under cancellation)."""
-        run = self._turns.pop(turn.request_id or "", None)
-        if run is not None:
-            kept = run.kept or self._scheduler.pop_kept(turn.request_id or "")
-            if kept is not None:
-                self._pool.free(kept.blocks)
-        self.sessions.end_turn(turn, trio.current_time())
+        self._turns.end(turn)
 
     def get_session(self, session_id: str, owner: str) -> Session:
-        return self.sessions.get(session_id, owner, trio.current_time())
+        return self._turns.get(session_id, owner)
 
     def delete_session(self, session_id: str, owner: str) -> None:
-        self.sessions.delete(session_id, owner, trio.current_time())
-
-    def _reclaim(self, num_blocks: int) -> None:
-        self.sessions.expire(trio.current_time())
-        self.sessions.reclaim(num_blocks)
+        self._turns.delete(session_id, owner)
 
     def shutdown(self) -> None:
         """Stop admitting (submit raises :class:`EngineUnavailable`) and fail the waiting
@@ -489,7 +299,7 @@ class Engine:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` as this engine's streams decode it."""
-        return self._decode(token_ids)
+        return self._text.decode(token_ids)
 
     @property
     def num_requests(self) -> int:
@@ -501,14 +311,15 @@ class Engine:
         return self._metrics.snapshot(
             running=self._scheduler.num_running,
             waiting=self._scheduler.num_waiting,
-            kv_used=self._pool.num_used,
-            kv_total=self._pool.num_blocks,
+            kv_used=pool.num_used,
+            kv_total=pool.num_blocks,
             alive=self.alive,
-            prefix_queries=self._scheduler.prefix_queries,
-            prefix_hits=self._scheduler.prefix_hits,
+            prefix_queries=self._kv.prefix_queries,
+            prefix_hits=self._kv.prefix_hits,
             sessions=len(self.sessions),
             session_pinned_blocks=self.sessions.pinned_blocks,
             kv_blocks_cached=pool.num_unreferenced_cached,
+            kv_blocks_evicted=pool.evictions,
             kv_block_refs=pool.num_references,
             requests_in_flight=len(self._requests),
             turns_open=len(self._turns),
@@ -521,44 +332,21 @@ class Engine:
             raise EngineUnavailable(self._failure or f"the engine is {self._state.value}")
         prompt = request.prompt_token_ids
         params = request.params
-        if not prompt:
-            raise RequestRejected("the prompt is empty", param="prompt")
-        if len(prompt) >= self.max_context:
-            raise RequestRejected(
-                f"the prompt has {len(prompt)} tokens; the context holds {self.max_context}",
-                param="prompt",
-            )
-        if len(prompt) + params.max_tokens > self.max_context:
-            raise RequestRejected(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the context of {self.max_context} tokens",
-                param="max_tokens",
-            )
-        if params.n > self.config.max_running:
-            raise RequestTooLarge(
-                f"n={params.n} exceeds the {self.config.max_running} sequences this server runs"
-            )
-        needed = self._scheduler.blocks_needed(len(prompt), params)
-        if needed > self._pool.num_blocks:
-            raise RequestTooLarge(
-                f"the request needs {needed} KV blocks; the server has {self._pool.num_blocks}"
-            )
-        if request.request_id in self._requests or request.request_id in self._turns:
-            raise RequestRejected(f"request id {request.request_id!r} is in use", param=None)
+        check_request(
+            request,
+            max_context=self.max_context,
+            max_running=self.config.max_running,
+            blocks_needed=self._scheduler.blocks_needed(len(prompt), params),
+            num_blocks=self._pool.num_blocks,
+            id_in_use=request.request_id in self._requests or request.request_id in self._turns,
+        )
         turn = request.turn
-        if turn is not None:
-            if params.n != 1:
-                raise RequestRejected("a session turn samples one choice (n=1)", param="n")
-            if turn.state is not TurnState.OPEN or turn.request_id is not None:
-                raise RequestRejected("this session turn has a request already", param=None)
         if self._scheduler.num_waiting >= self.config.max_waiting:
             raise EngineBusy(f"{self._scheduler.num_waiting} requests are waiting")
         if turn is not None:
-            seed = self.sessions.seed_for(turn, params.seed)
+            seed = self._turns.start(turn, request.request_id, params.seed)
             params = dataclasses.replace(params, seed=seed)
-            turn.request_id = request.request_id
-            self._turns[request.request_id] = _TurnRun(turn, seed)
-        send, receive = trio.open_memory_channel[_Message](math.inf)
+        send, receive = trio.open_memory_channel[Message](math.inf)
         self._scheduler.add(request.request_id, prompt, params, keep_kv=turn is not None)
         self._requests[request.request_id] = _Request(
             request_id=request.request_id,
@@ -570,7 +358,7 @@ class Engine:
             last_token_at=[None] * params.n,
         )
         self._wake.set()
-        return RequestStream(self, request.request_id, receive, params, turn)
+        return RequestStream(self, self._text, request.request_id, receive, params, turn)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -647,7 +435,7 @@ class Engine:
             if request is None:
                 continue
             scores = output.prompt_logprobs
-            if scores is not None and not self._send(request, _PromptScores(output.index, scores)):
+            if scores is not None and not self._send(request, PromptScores(output.index, scores)):
                 continue
             if output.token is not None:
                 metrics.generation_tokens_total += 1
@@ -659,20 +447,20 @@ class Engine:
                     metrics.inter_token_latency.observe(now - last)
                 request.last_token_at[output.index] = now
                 if last is None or self.config.stream_interval == 1:
-                    message = _Token(output.index, (output.token,))
+                    message = Tokens(output.index, (output.token,))
                 else:
                     held = request.held.setdefault(output.index, [])
                     held.append(output.token)
                     if len(held) < self.config.stream_interval and output.finish is None:
                         continue
-                    message = _Token(output.index, tuple(held))
+                    message = Tokens(output.index, tuple(held))
                     held.clear()
                 if not self._send(request, message):
                     continue
             if output.finish is not None:
                 self._finish_sample(request, output.index, output.finish)
 
-    def _send(self, request: _Request, message: _Message) -> bool:
+    def _send(self, request: _Request, message: Message) -> bool:
         """Whether the message went out; a closed stream aborts the request."""
         try:
             request.send.send_nowait(message)
@@ -685,29 +473,19 @@ class Engine:
         if request.done[index]:
             return
         held = request.held.pop(index, None)
-        if held and not self._send(request, _Token(index, tuple(held))):
+        if held and not self._send(request, Tokens(index, tuple(held))):
             return
         request.done[index] = True
         request.live -= 1
         request.any_length |= reason is FinishReason.LENGTH
-        if not self._send(request, _Finish(index, reason)):
+        if not self._send(request, Finish(index, reason)):
             return
         if request.live == 0:
             del self._requests[request.request_id]
-            run = self._turns.get(request.request_id)
-            if run is not None:
-                run.kept = self._scheduler.pop_kept(request.request_id)
+            self._turns.finished(request.request_id)
             self._metrics.count("finished_length" if request.any_length else "finished_stop")
             self._metrics.e2e_latency.observe(trio.current_time() - request.submitted_at)
             request.send.close()
-
-    def _stop_sample(self, request_id: str, index: int) -> None:
-        """A stop string matched in the stream: end that sample as 'stop'."""
-        request = self._requests.get(request_id)
-        if request is None or request.done[index]:
-            return
-        self._scheduler.abort_sample(request_id, index)
-        self._finish_sample(request, index, FinishReason.STOP)
 
     def _fail_step(self, step: ScheduledStep, message: str) -> None:
         for request_id in self._scheduler.fail(step):
@@ -746,206 +524,3 @@ class Engine:
 
 class _WatchdogFired(Exception):
     """A model step ran past ``step_timeout_s``."""
-
-
-# -- the consumer's side ----------------------------------------------------------------------
-
-
-@dataclass(slots=True, eq=False)
-class _SampleText:
-    """Text state of one sample: detokenizer, stop strings, tokens not yet in a delta."""
-
-    detokenizer: Detokenizer
-    stops: StopStringMatcher | None
-    completion_tokens: int = 0
-    finished: bool = False
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[LogprobEntry] = field(default_factory=list)
-    prompt_logprobs: tuple[LogprobEntry, ...] | None = None  # for the next delta
-
-
-class RequestStream:
-    """The events of one request, consumed in its handler's task.
-
-    Yields :class:`Admitted`, then :class:`Delta`\\ s and one :class:`Finished` per sample
-    index, or a :class:`Failed` that ends everything. Leaving it (``async with``, or
-    :meth:`close`) aborts the request if it is unfinished; ``close`` never awaits, so it is
-    safe in ``finally`` blocks and under cancellation.
-    """
-
-    def __init__(
-        self,
-        engine: Engine,
-        request_id: str,
-        receive: trio.MemoryReceiveChannel[_Message],
-        params: SamplingParams,
-        turn: Turn | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.turn = turn
-        self._reply: list[str] = []  # sample 0's text, for the session's history
-        self._engine = engine
-        self._receive = receive
-        self._params = params
-        self._want_logprobs = params.logprobs is not None
-        self._samples = [
-            _SampleText(
-                make_detokenizer(engine._decode, engine._decode_table),
-                StopStringMatcher(params.stop) if params.stop else None,
-            )
-            for _ in range(params.n)
-        ]
-        self._live = params.n
-        self._ready: deque[Event] = deque()
-        self._done = False
-        self._closed = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Event:
-        while not self._ready:
-            if self._done or self._closed:
-                raise StopAsyncIteration
-            try:
-                message = await self._receive.receive()
-            except trio.EndOfChannel:
-                self._done = True
-                self._ready.append(Failed("the request was aborted"))
-                break
-            except trio.ClosedResourceError:
-                raise StopAsyncIteration from None
-            self._handle(message)
-        return self._ready.popleft()
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    @property
-    def session_id(self) -> str | None:
-        return self.turn.session_id if self.turn is not None else None
-
-    def close(self) -> None:
-        """Abort the request if unfinished, end its session turn, and stop listening.
-        Idempotent, never awaits."""
-        if self._closed:
-            return
-        self._closed = True
-        if not self._done:
-            self._engine.abort(self.request_id)
-        if self.turn is not None:
-            self._engine.end_turn(self.turn)
-        self._receive.close()
-
-    # -- text -----------------------------------------------------------------------------
-
-    def _handle(self, message: _Message) -> None:
-        if isinstance(message, _Token):
-            self._on_tokens(message.index, message.tokens)
-        elif isinstance(message, _Finish):
-            self._on_finish(message.index, message.reason.value)
-        elif isinstance(message, _PromptScores):
-            sample = self._samples[message.index]
-            sample.prompt_logprobs = tuple(self._logprob_entry(t) for t in message.scores)
-        elif isinstance(message, Failed):
-            self._done = True
-            self._ready.append(message)
-        else:
-            self._ready.append(message)
-
-    def _on_tokens(self, index: int, tokens: tuple[SampledToken, ...]) -> None:
-        """One delta for the tokens of a message (unless they make no text yet)."""
-        sample = self._samples[index]
-        texts: list[str] = []
-        for token in tokens:
-            if sample.finished:
-                return  # a stop string ended it; tokens in flight are dropped
-            sample.completion_tokens += 1
-            sample.token_ids.append(token.token_id)
-            if self._want_logprobs:
-                sample.logprobs.append(self._logprob_entry(token))
-            text = sample.detokenizer.feed(token.token_id)
-            if sample.stops is not None:
-                text, matched = sample.stops.feed(text)
-                if matched:
-                    self._end_sample(index, "".join(texts) + text, "stop")
-                    self._engine._stop_sample(self.request_id, index)
-                    self._commit_turn(index)
-                    return
-            texts.append(text)
-        text = "".join(texts)
-        if text or self._want_logprobs or sample.prompt_logprobs is not None:
-            self._emit_delta(index, text)
-
-    def _on_finish(self, index: int, reason: Literal["stop", "length"]) -> None:
-        sample = self._samples[index]
-        if sample.finished:
-            return
-        text = sample.detokenizer.flush()
-        if sample.stops is not None:
-            text, matched = sample.stops.feed(text)
-            if matched:
-                reason = "stop"
-            else:
-                text += sample.stops.flush()
-        self._end_sample(index, text, reason)
-        self._commit_turn(index)
-
-    def _commit_turn(self, index: int) -> None:
-        """A session turn's only sample finished: its text (what the client got, stop
-        strings removed) joins the history, with the KV the request pinned."""
-        if self.turn is not None and index == 0:
-            reply = {"role": "assistant", "content": "".join(self._reply)}
-            self._engine.commit_turn(self.turn, reply)
-
-    def _end_sample(self, index: int, text: str, reason: Literal["stop", "length"]) -> None:
-        sample = self._samples[index]
-        if text or sample.token_ids or sample.prompt_logprobs is not None:
-            self._emit_delta(index, text)
-        sample.finished = True
-        self._ready.append(Finished(index, reason, sample.completion_tokens))
-        self._live -= 1
-        if self._live == 0:
-            self._done = True
-
-    def _emit_delta(self, index: int, text: str) -> None:
-        if self.turn is not None and index == 0:
-            self._reply.append(text)
-        sample = self._samples[index]
-        self._ready.append(
-            Delta(
-                index,
-                text,
-                tuple(sample.token_ids),
-                tuple(sample.logprobs),
-                sample.prompt_logprobs,
-            )
-        )
-        sample.token_ids.clear()
-        sample.logprobs.clear()
-        sample.prompt_logprobs = None
-
-    def _logprob_entry(self, token: SampledToken) -> LogprobEntry:
-        top = tuple(
-            TopLogprob(self._piece(t.token_id), t.token_id, t.logprob, self._bytes(t.token_id))
-            for t in token.top_logprobs
-        )
-        logprob = token.logprob if token.logprob is not None else math.nan
-        return LogprobEntry(
-            self._piece(token.token_id), token.token_id, logprob, self._bytes(token.token_id), top
-        )
-
-    def _piece(self, token_id: int) -> str:
-        return self._engine._decode((token_id,))
-
-    def _bytes(self, token_id: int) -> tuple[int, ...] | None:
-        token_bytes = self._engine._token_bytes
-        return None if token_bytes is None else tuple(token_bytes(token_id))

@@ -5,10 +5,8 @@ thread teams belong to the thread that starts a parallel region. Every new threa
 runs torch gets a team of its own, and once the process holds more OpenMP threads than
 CPUs, libgomp stops spinning between parallel regions and puts its threads to sleep after
 each one: a decode step has a few hundred regions, and each wake-up costs tens of
-microseconds (measured on 2 cores: a step run from a second thread after the model was
-loaded on another took 18.7 ms instead of 15.4). Trio's thread cache hands work to
-whichever idle thread it has, so the model's thread changed from call to call. Here it
-never changes.
+microseconds. Trio's thread cache hands work to whichever idle thread it has, so the
+model's thread would change from call to call; a :class:`ModelThread` never changes.
 """
 
 from __future__ import annotations

@@ -15,27 +15,22 @@ Each :meth:`Scheduler.schedule` builds one :class:`~furnace_trio.core.plan.StepP
    sequence slot (``max_running``) and enough unreserved KV blocks; the queue head is never
    overtaken, so a large request is not starved by small ones.
 
-Memory: **reservation, no preemption.** Admission reserves the worst case of a request's
-KV blocks (prompt + ``max_tokens`` for each of its ``n`` samples, full prompt blocks shared)
-and blocks are then allocated lazily from that reservation as positions are written. So a
-sequence, once admitted, can always finish: no preemption, no recomputation, no swapping,
-and a request's latency never jumps because another one arrived. The cost is admitting
-fewer requests than lazy allocation would when most stop early; with a prefix cache (whose
-evictable blocks count as free) and the usual short ``max_tokens`` that is the right trade
-for a small server. ``kv_blocks_used`` counts blocks really written, not reservations.
+Memory: admission asks the :class:`~furnace_trio.engine.kv_cache_manager.KVCacheManager`
+for the request's worst case of KV blocks (reservation, no preemption: a sequence, once
+admitted, can always finish; no recomputation, no swapping, and a request's latency never
+jumps because another one arrived). The cost is admitting fewer requests than lazy
+allocation would when most stop early; with a prefix cache (whose evictable blocks count as
+free) and the usual short ``max_tokens`` that is the right trade for a small server. The
+manager keeps the block tables, the prefix-cache matches, the forks and the pins; the
+scheduler only decides what runs.
 
 ``n > 1``: a *parent* sequence runs the prompt once; its last chunk samples ``n`` children
 (their own seq ids, ``seed + index`` when seeded so that they differ). Each child that goes
-on forks the parent's blocks (full blocks shared, the partial last one copied through
-``StepPlan.block_copies``), then the parent lets go of its blocks.
+on forks the parent's blocks, then the parent lets go of its blocks.
 
-Prefix cache: at admission the prompt's full blocks are looked up by chain key
-(:mod:`~furnace_trio.engine.block_pool`); the longest cached run becomes the start of the block
-table and of ``num_computed_tokens``, so only the rest is computed. The match stops before
-the block holding the prompt's last token, which is always computed (its logits are
-sampled) and so never written into a shared block. The reservation shrinks by the blocks
-reused, and unreferenced cached blocks that the match revives are subtracted from the free
-count, so admission stays exact. After each step, blocks that became full get their keys.
+Prefix cache: at admission the prompt's cached prefix (never its last token's block)
+becomes the start of the block table and of ``num_computed_tokens``, so only the rest is
+computed. A prompt whose tokens are scored (``prompt_logprobs``) is computed whole.
 
 Sessions: a request added with ``keep_kv`` pins, when it finishes naturally, the cached
 blocks of everything it computed (:class:`KeptKV`, taken with :meth:`Scheduler.pop_kept`);
@@ -55,19 +50,21 @@ import enum
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import ChunkPlan, SampledToken, SampleSpec, StepPlan
-from furnace_trio.engine.block_pool import BlockKey, BlockPool, block_key, prefix_keys
+from furnace_trio.engine.kv_cache_manager import (
+    NO_COMPUTED_BLOCKS,
+    ComputedBlocks,
+    KeptKV,
+    KVCacheManager,
+    RequestBlocks,
+    SeqBlocks,
+)
+from furnace_trio.engine.sequence import Group, Seq, SeqStatus
 
 logger = logging.getLogger(__name__)
-
-
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 class StepMismatch(ValueError):
@@ -77,61 +74,6 @@ class StepMismatch(ValueError):
 class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
-
-
-@dataclass(slots=True, eq=False)
-class Seq:
-    """One sequence: a request's single sample, or the prompt-only parent of ``n > 1``.
-
-    Invariants: ``num_computed_tokens <= len(token_ids)``; ``block_table`` covers the first
-    ``num_computed_tokens`` positions; ``reserved_blocks`` more blocks may still be
-    allocated for it without asking the pool for room.
-    """
-
-    seq_id: int
-    group: Group
-    index: int | None  # sample index; None for the parent of n > 1
-    params: SamplingParams
-    token_ids: list[int]
-    num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    reserved_blocks: int = 0
-    status: SeqStatus = SeqStatus.WAITING
-    block_keys: list[BlockKey] = field(default_factory=list)  # of block_table's first blocks
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.group.prompt)
-
-
-@dataclass(slots=True, eq=False)
-class Group:
-    """One request: its prompt sequence and its ``n`` samples (the same sequence if n == 1)."""
-
-    request_id: str
-    prompt: tuple[int, ...]
-    params: SamplingParams
-    blocks_needed: int
-    prefill: Seq | None = None  # None once the prompt ran and the children forked
-    samples: list[Seq] = field(default_factory=list)
-    num_live: int = 0  # samples not finished
-    status: SeqStatus = SeqStatus.WAITING
-    prompt_keys: tuple[BlockKey, ...] = ()  # chain keys of the prompt's full blocks
-    cached_tokens: int = 0  # prompt tokens reused from the prefix cache at admission
-    keep_kv: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class KeptKV:
-    """What a finished ``keep_kv`` request leaves pinned: one reference to each block.
-
-    ``token_ids`` are the tokens whose KV ``blocks`` hold (full blocks only);
-    ``output_token_ids`` is what the request generated (EOS excluded).
-    """
-
-    token_ids: tuple[int, ...]
-    blocks: tuple[int, ...]
-    output_token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,11 +106,11 @@ class SampleOutput:
 
 
 class Scheduler:
-    """Waiting queue, running requests, and the KV blocks they hold."""
+    """Waiting queue and running requests; their KV lives in the :class:`KVCacheManager`."""
 
     def __init__(
         self,
-        pool: BlockPool,
+        kv: KVCacheManager,
         *,
         max_running: int,
         max_step_tokens: int,
@@ -181,7 +123,7 @@ class Scheduler:
             raise ValueError("max_step_tokens must be at least max_running (one token each)")
         if max_context < 2:
             raise ValueError("max_context must be at least 2")
-        self.pool = pool
+        self.kv = kv
         self.max_running = max_running
         self.max_step_tokens = max_step_tokens
         self.max_context = max_context
@@ -191,16 +133,12 @@ class Scheduler:
         self._waiting_ids: dict[str, Group] = {}
         self._seqs: dict[int, Seq] = {}  # running sequences by seq id
         self._next_seq_id = 0
-        self._reserved = 0  # blocks reserved by running sequences, not yet allocated
         self._num_slots = 0  # live samples of running requests
         self._released: list[int] = []
-        self._copies: list[tuple[int, int, int]] = []  # (src, dst, child seq id)
         self._kept: dict[str, KeptKV] = {}
         #: Called with the number of blocks missing when the queue head does not fit; may
         #: free pinned blocks (sessions). Admission then tries once more.
         self.reclaim: Callable[[int], None] | None = None
-        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_hits = 0  # of which found
 
     # -- sizes ------------------------------------------------------------------------------
 
@@ -218,17 +156,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def blocks_needed(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """Worst-case KV blocks of a request: what admission reserves.
-
-        The last sampled token is never fed back, so a sample writes at most
-        ``prompt + max_tokens - 1`` positions.
-        """
-        bs = self.pool.block_size
-        last = num_prompt_tokens + params.max_tokens - 1
-        if params.n == 1:
-            return self.pool.blocks_for(last)
-        per_child = self.pool.blocks_for(last) - num_prompt_tokens // bs
-        return self.pool.blocks_for(num_prompt_tokens) + params.n * per_child
+        """Worst-case KV blocks of a request: what admission reserves."""
+        return self.kv.blocks_needed(num_prompt_tokens, params)
 
     def contains(self, request_id: str) -> bool:
         return request_id in self.running or request_id in self._waiting_ids
@@ -259,7 +188,7 @@ class Scheduler:
             prompt=prompt,
             params=params,
             blocks_needed=self.blocks_needed(len(prompt), params),
-            prompt_keys=tuple(prefix_keys(prompt, self.pool.block_size)),
+            prompt_keys=self.kv.prompt_keys(prompt),
             keep_kv=keep_kv,
         )
         if params.n == 1:
@@ -350,19 +279,8 @@ class Scheduler:
         cached: list[int] = []
         while budget > 0 and self.waiting:
             group = self.waiting[0]
-            if self._num_slots + group.params.n > self.max_running:
+            if self._num_slots + group.params.n > self.max_running or not self._admit(group):
                 break
-            hit = self._match(group)
-            missing = self._shortage(group, hit)
-            if missing > 0 and self.reclaim is not None:
-                self.reclaim(missing)
-                hit = self._match(group)
-                missing = self._shortage(group, hit)
-            if missing > 0:
-                break
-            self.waiting.popleft()
-            del self._waiting_ids[group.request_id]
-            self._admit(group, hit)
             admitted.append(group.request_id)
             cached.append(group.cached_tokens)
             request_ids.append(group.request_id)
@@ -372,10 +290,9 @@ class Scheduler:
             budget -= take
         if not chunks:
             return None
-        live_copies = [(s, d) for s, d, child in self._copies if child in self._seqs]
-        self._copies.clear()
         released, self._released = tuple(self._released), []
-        plan = StepPlan(chunks=tuple(chunks), block_copies=tuple(live_copies), released=released)
+        copies = self.kv.take_block_copies()
+        plan = StepPlan(chunks=tuple(chunks), block_copies=copies, released=released)
         return ScheduledStep(
             plan=plan,
             admitted=tuple(admitted),
@@ -404,8 +321,8 @@ class Scheduler:
             seq = self._seqs.get(chunk.seq_id)
             if seq is None:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
-            self._register(seq)
+            seq.num_computed_tokens = num_computed = chunk.start_pos + len(chunk.token_ids)
+            self.kv.cache_blocks(seq.kv, seq.token_ids, num_computed)
             if not chunk.samples:
                 continue
             group = seq.group
@@ -447,59 +364,53 @@ class Scheduler:
             index=index,
             params=params,
             token_ids=list(group.prompt),
+            kv=SeqBlocks(group.prompt_keys),  # no blocks until admitted
         )
         self._next_seq_id += 1
         return seq
 
-    def _match(self, group: Group) -> list[int]:
-        """Cached blocks of the prompt's longest cached prefix, short of its last token
-        (none where the prompt is scored: every position must be computed)."""
-        if group.params.prompt_logprobs is not None:
-            return []
-        usable = (len(group.prompt) - 1) // self.pool.block_size
-        return self.pool.match(group.prompt_keys[:usable])
+    def _allocate(self, group: Group) -> tuple[RequestBlocks | None, ComputedBlocks]:
+        computed = NO_COMPUTED_BLOCKS
+        if group.params.prompt_logprobs is None:  # a scored prompt is computed whole
+            computed = self.kv.get_computed_blocks(group.prompt_keys, len(group.prompt))
+        blocks = self.kv.allocate_request(
+            group.prompt_keys, len(group.prompt), group.params, computed
+        )
+        return blocks, computed
 
-    def _shortage(self, group: Group, hit: list[int]) -> int:
-        """Blocks missing to admit ``group`` reusing ``hit`` (<= 0: it fits).
-
-        Reused blocks need no reservation, but reviving unreferenced ones takes them out of
-        the free count that the other reservations rely on.
-        """
-        available = self.pool.num_free - self.pool.num_evictable(hit) - self._reserved
-        return group.blocks_needed - len(hit) - available
-
-    def _admit(self, group: Group, hit: list[int]) -> None:
-        bs = self.pool.block_size
-        prompt_len = len(group.prompt)
-        last = prompt_len + group.params.max_tokens - 1
+    def _admit(self, group: Group) -> bool:
+        """Admit the queue head if the KV cache manager has room for it, asking ``reclaim``
+        once for what is missing; whether it was admitted."""
+        blocks, computed = self._allocate(group)
+        if blocks is None and self.reclaim is not None:
+            self.reclaim(self.kv.shortage(group.blocks_needed, computed))
+            blocks, _ = self._allocate(group)
+        if blocks is None:
+            return False
+        self.waiting.popleft()
+        del self._waiting_ids[group.request_id]
         group.status = SeqStatus.RUNNING
         self.running[group.request_id] = group
         self._num_slots += group.params.n
-        assert group.prefill is not None
         prefill = group.prefill
-        self.pool.acquire(hit)
-        prefill.block_table = list(hit)
-        prefill.block_keys = list(group.prompt_keys[: len(hit)])
-        prefill.num_computed_tokens = group.cached_tokens = len(hit) * bs
-        self.prefix_queries += prompt_len
-        self.prefix_hits += group.cached_tokens
+        assert prefill is not None
+        prefill.kv = blocks.prompt
+        prefill.num_computed_tokens = group.cached_tokens = blocks.num_cached_tokens
         seqs = [prefill]
-        if group.params.n == 1:
-            prefill.reserved_blocks = self.pool.blocks_for(last) - len(hit)
-        else:
-            prefill.reserved_blocks = self.pool.blocks_for(prompt_len) - len(hit)
-            for child in group.samples:
-                child.reserved_blocks = self.pool.blocks_for(last) - prompt_len // bs
+        if blocks.samples:  # n > 1: the children's tables fill when they fork
+            for child, child_kv in zip(group.samples, blocks.samples, strict=True):
+                child.kv = child_kv
                 seqs.append(child)
         for seq in seqs:
             seq.status = SeqStatus.RUNNING
             self._seqs[seq.seq_id] = seq
-            self._reserved += seq.reserved_blocks
+        return True
 
     def _chunk(self, seq: Seq, num_tokens: int) -> ChunkPlan:
         start = seq.num_computed_tokens
         end = start + num_tokens
-        self._grow(seq, end)
+        if self.kv.allocate_slots(seq.kv, end) is None:
+            raise RuntimeError(f"seq {seq.seq_id} outgrew its KV reservation (a scheduler bug)")
         group = seq.group
         samples: tuple[SampleSpec, ...] = ()
         if end == len(seq.token_ids):
@@ -520,59 +431,17 @@ class Scheduler:
             seq_id=seq.seq_id,
             token_ids=tuple(seq.token_ids[start:end]),
             start_pos=start,
-            block_table=tuple(seq.block_table),
+            block_table=tuple(seq.kv.block_table),
             samples=samples,
             score_ids=() if top is None else prompt[start + 1 : min(end + 1, len(prompt))],
             score_top=top or 0,
         )
 
-    def _grow(self, seq: Seq, num_tokens: int) -> None:
-        """Allocate from the sequence's reservation until its table covers ``num_tokens``."""
-        need = self.pool.blocks_for(num_tokens) - len(seq.block_table)
-        if need <= 0:
-            return
-        blocks = self.pool.allocate(need) if need <= seq.reserved_blocks else None
-        if blocks is None:
-            raise RuntimeError(f"seq {seq.seq_id} outgrew its KV reservation (a scheduler bug)")
-        seq.block_table.extend(blocks)
-        seq.reserved_blocks -= need
-        self._reserved -= need
-
     def _fork(self, parent: Seq, child: Seq) -> None:
         prompt_len = len(child.group.prompt)
-        fork = self.pool.fork(parent.block_table, prompt_len)
-        if fork is None or len(fork.copies) > child.reserved_blocks:
+        if not self.kv.fork(parent.kv, child.kv, prompt_len):
             raise RuntimeError(f"seq {child.seq_id} could not fork its parent (a scheduler bug)")
-        child.block_table = list(fork.block_table)
-        child.block_keys = list(parent.block_keys[: prompt_len // self.pool.block_size])
         child.num_computed_tokens = prompt_len
-        child.reserved_blocks -= len(fork.copies)
-        self._reserved -= len(fork.copies)
-        self._copies.extend((src, dst, child.seq_id) for src, dst in fork.copies)
-
-    def _register(self, seq: Seq) -> None:
-        """Key the blocks that became full (their KV is written once the step returned)."""
-        bs = self.pool.block_size
-        keys = seq.block_keys
-        prompt_keys = seq.group.prompt_keys
-        for i in range(len(keys), seq.num_computed_tokens // bs):
-            if i < len(prompt_keys):
-                key = prompt_keys[i]
-            else:
-                key = block_key(keys[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs])
-            self.pool.register(seq.block_table[i], key)
-            keys.append(key)
-
-    def _keep(self, seq: Seq) -> None:
-        """Pin the cached blocks of what ``seq`` computed, for its request's session."""
-        blocks = self.pool.match(seq.block_keys)
-        self.pool.acquire(blocks)
-        num_tokens = len(blocks) * self.pool.block_size
-        self._kept[seq.group.request_id] = KeptKV(
-            token_ids=tuple(seq.token_ids[:num_tokens]),
-            blocks=tuple(blocks),
-            output_token_ids=tuple(seq.token_ids[len(seq.group.prompt) :]),
-        )
 
     def _append(self, seq: Seq, token: SampledToken) -> SampleOutput:
         params = seq.params
@@ -593,11 +462,7 @@ class Scheduler:
         """Free a sequence's blocks and reservation; it leaves the running set, and the
         runner is told to drop what it keeps for it (a sampler's generator, a prompt's
         scores) with the next plan."""
-        if seq.block_table:
-            self.pool.free(seq.block_table)
-            seq.block_table = []
-        self._reserved -= seq.reserved_blocks
-        seq.reserved_blocks = 0
+        self.kv.free(seq.kv)
         seq.status = SeqStatus.FINISHED
         if self._seqs.pop(seq.seq_id, None) is not None:
             self._released.append(seq.seq_id)
@@ -609,7 +474,7 @@ class Scheduler:
         """
         group = seq.group
         if keep and group.keep_kv:
-            self._keep(seq)
+            self._kept[group.request_id] = self.kv.pin(seq.kv, seq.token_ids, len(group.prompt))
         self._drop_seq(seq)
         group.num_live -= 1
         self._num_slots -= 1

@@ -101,6 +101,7 @@ class EngineStatistics:
     sessions: int = 0
     session_pinned_blocks: int = 0
     kv_blocks_cached: int = 0  # unreferenced prefix-cache blocks (evictable)
+    kv_blocks_evicted_total: int = 0  # cached blocks handed out again for new KV
     kv_block_refs: int = 0  # references held on blocks (a shared block counts per owner)
     requests_in_flight: int = 0  # accepted, not yet finished, failed or aborted
     turns_open: int = 0  # session turns whose request has not ended
@@ -158,6 +159,7 @@ class EngineMetrics:
         sessions: int = 0,
         session_pinned_blocks: int = 0,
         kv_blocks_cached: int = 0,
+        kv_blocks_evicted: int = 0,
         kv_block_refs: int = 0,
         requests_in_flight: int = 0,
         turns_open: int = 0,
@@ -182,6 +184,7 @@ class EngineMetrics:
             sessions=sessions,
             session_pinned_blocks=session_pinned_blocks,
             kv_blocks_cached=kv_blocks_cached,
+            kv_blocks_evicted_total=kv_blocks_evicted,
             kv_block_refs=kv_block_refs,
             requests_in_flight=requests_in_flight,
             turns_open=turns_open,

@@ -1,0 +1,50 @@
+"""The engine's configuration: batch sizes, context, sessions, prefix cache, watchdog.
+
+Frozen and validated at construction, so the engine and the HTTP layer read settings
+from one place and never check them again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """The engine's settings, validated once here (``ValueError`` on a bad value)."""
+
+    max_running: int = 16  # sequences decoding at once
+    max_waiting: int = 256  # queued requests before EngineBusy
+    max_step_tokens: int = 512  # tokens per step (decode tokens + prefill chunks)
+    max_context: int | None = None  # default runner.max_context
+    session_ttl_s: float = 1800.0  # idle sessions expire after this
+    session_max_blocks: int | None = None  # pinned KV of all sessions; None: half the pool
+    max_sessions: int = 1024
+    prefix_cache: bool = True  # reuse cached KV of equal prompt prefixes
+    step_timeout_s: float | None = None  # watchdog: a longer step kills the engine
+    # A sample's tokens after its first reach its stream in groups of this many (and at its
+    # end): fewer, larger deltas, less work per token above the model (vLLM's
+    # --stream-interval). 1 streams every token.
+    stream_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ValueError("step_timeout_s must be > 0")
+        if self.session_ttl_s <= 0:
+            raise ValueError("session_ttl_s must be > 0")
+        if self.session_max_blocks is not None and self.session_max_blocks < 0:
+            raise ValueError("session_max_blocks must be >= 0")
+        if self.max_sessions < 1:
+            raise ValueError("max_sessions must be at least 1")
+        if self.max_running < 1:
+            raise ValueError("max_running must be at least 1")
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+        if self.max_step_tokens < self.max_running:
+            raise ValueError("max_step_tokens must be at least max_running")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError("max_context must be at least 2")
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be at least 1")
