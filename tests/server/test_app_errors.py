@@ -12,7 +12,6 @@ import pytest
 import trio
 
 from furnace_trio.engine.engine import EngineConfig
-from furnace_trio.server import app as app_module
 
 from .. import scripted
 from ..http_server import ANSWERS, MODEL_NAME, Served, default_script, serve_scripted
@@ -263,12 +262,12 @@ async def test_an_error_answered_before_the_body_leaves_the_connection_usable(
 
 
 async def test_an_error_whose_body_never_comes_says_connection_close(
-    served: Served, monkeypatch: pytest.MonkeyPatch
+    served: Served,
 ) -> None:
     """A body announced but not sent within the wait: the error is answered with
     ``connection: close`` (the client must not send another request on it), and the
     server serves new connections."""
-    monkeypatch.setattr(app_module, "BODY_WAIT_S", 0.2)
+    served.app.asgi_app.body_wait_s = 0.2
     host, port = served.url.removeprefix("http://").rsplit(":", 1)
     buffer = bytearray()
     async with await trio.open_tcp_stream(host, int(port)) as stream:

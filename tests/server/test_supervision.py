@@ -20,7 +20,7 @@ from furnace_trio.engine.engine import (
     FailureCause,
     GenerationRequest,
 )
-from furnace_trio.server.app import ENGINE_FAILURE_EXIT
+from furnace_trio.server.lifecycle import ENGINE_FAILURE_EXIT
 
 from .. import scripted
 from ..http_server import MODEL_NAME, default_script, serve_scripted
