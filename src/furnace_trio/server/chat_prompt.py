@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from furnace_trio.server.chat_request import ChatRequest
 from furnace_trio.server.errors import invalid_request
-from furnace_trio.server.protocol import ChatRequest
 from furnace_trio.tools.tool_prompt import prepare_tool_messages, template_supports_tools
 
 if TYPE_CHECKING:

@@ -31,9 +31,11 @@ from furnace_trio.engine.engine import (
 )
 from furnace_trio.engine.sessions import Turn
 from furnace_trio.server.asgi import register_abort
+from furnace_trio.server.chat_request import ChatRequest
+from furnace_trio.server.completion_request import CompletionRequest
 from furnace_trio.server.echo import Echo
 from furnace_trio.server.errors import APIError, invalid_request
-from furnace_trio.server.protocol import ChatRequest, CompletionRequest, resolve_max_tokens
+from furnace_trio.server.protocol import resolve_max_tokens
 from furnace_trio.server.request_log import RequestTiming
 from furnace_trio.server.response_body import failure_error, fold_event, stream_body
 from furnace_trio.server.sse import SSE_HEADERS, Collector, Kind, dumps

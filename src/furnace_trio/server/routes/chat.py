@@ -18,9 +18,9 @@ from furnace_trio.core.params import TokenConstraint
 from furnace_trio.engine.sessions import SessionBusy, SessionNotFound, Turn
 from furnace_trio.server.auth import session_owner
 from furnace_trio.server.chat_prompt import render_chat
+from furnace_trio.server.chat_request import ChatRequest, parse_chat_request
 from furnace_trio.server.errors import invalid_request
 from furnace_trio.server.generation import generate
-from furnace_trio.server.protocol import ChatRequest, parse_chat_request
 from furnace_trio.server.routes.common import read_generation
 from furnace_trio.server.routes.sessions import session_busy, session_not_found
 from furnace_trio.server.sse import dumps

@@ -14,8 +14,8 @@ import trio
 from quart import Response
 from quart_trio import QuartTrio
 
+from furnace_trio.server.completion_request import parse_completion_request
 from furnace_trio.server.generation import generate
-from furnace_trio.server.protocol import parse_completion_request
 from furnace_trio.server.routes.common import read_generation
 from furnace_trio.server.state import ServerState
 

@@ -13,14 +13,14 @@ import trio
 from quart_trio import QuartTrio
 
 from furnace_trio.server.chat_prompt import render_messages
-from furnace_trio.server.protocol import (
+from furnace_trio.server.protocol import max_prompt_chars
+from furnace_trio.server.routes.common import check_model, read_body
+from furnace_trio.server.state import ServerState
+from furnace_trio.server.tokenizer_request import (
     TokenizeRequest,
-    max_prompt_chars,
     parse_detokenize_request,
     parse_tokenize_request,
 )
-from furnace_trio.server.routes.common import check_model, read_body
-from furnace_trio.server.state import ServerState
 
 if TYPE_CHECKING:
     from furnace_trio.server.backend import Backend
