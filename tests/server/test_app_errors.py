@@ -15,6 +15,7 @@ from furnace_trio.engine.engine import EngineConfig
 
 from .. import scripted
 from ..http_server import ANSWERS, MODEL_NAME, Served, default_script, serve_scripted
+from .waiting import wait_until
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -138,15 +139,9 @@ async def test_busy_is_503_with_retry_after() -> None:
             results.append(response.status_code)
 
         nursery.start_soon(post)  # runs (its first step blocks on the gate)
-        for _ in range(500):
-            if served.engine.statistics().running == 1:
-                break
-            await trio.sleep(0.01)
+        await wait_until(lambda: served.engine.statistics().running == 1, "one running")
         nursery.start_soon(post)  # waits
-        for _ in range(500):
-            if served.engine.statistics().waiting == 1:
-                break
-            await trio.sleep(0.01)
+        await wait_until(lambda: served.engine.statistics().waiting == 1, "one waiting")
         busy = await http.post("/v1/chat/completions", json={"messages": MESSAGES})
         error = check_error(busy, 503)
         assert busy.headers["retry-after"] == "1"
@@ -198,10 +193,7 @@ async def test_dead_engine_gives_503_and_health_503() -> None:
             with pytest.raises(openai.APIError, match="engine failed"):
                 async for _ in stream:
                     pass
-            for _ in range(500):
-                if not served.state.engine_running:
-                    break
-                await trio.sleep(0.01)
+            await wait_until(lambda: not served.state.engine_running, "the engine stopped")
             with pytest.raises(openai.InternalServerError) as info:
                 await c.chat.completions.create(model=MODEL_NAME, messages=MESSAGES)  # type: ignore[arg-type]
             assert info.value.status_code == 503
@@ -251,7 +243,8 @@ async def test_an_error_answered_before_the_body_leaves_the_connection_usable(
             await stream.send_all(
                 f"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: {body_size}\r\n\r\n".encode()
             )
-            await trio.sleep(0.05)
+            # the response starts (and waits for the body) before the body is sent
+            await wait_until(lambda: served.state.http_responses[405] == 1, "the 405 started")
             await stream.send_all(b"y" * body_size)
             status, headers = await _read_response(stream, buffer)
             assert status == 405

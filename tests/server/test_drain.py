@@ -26,6 +26,7 @@ from furnace_trio.server.lifecycle import drain_then
 
 from .. import scripted
 from ..http_server import scripted_app
+from .waiting import wait_until
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -75,11 +76,7 @@ async def _read_stream(
 
 
 async def _wait_running(engine: Engine, count: int) -> None:
-    for _ in range(500):
-        if engine.statistics().running >= count:
-            return
-        await trio.sleep(0.01)
-    raise AssertionError("nothing started running")
+    await wait_until(lambda: engine.statistics().running >= count, f"{count} running")
 
 
 async def test_stream_in_flight_completes_within_the_drain_and_new_requests_get_503() -> None:
