@@ -18,7 +18,8 @@ from furnace_trio.engine.engine import EngineConfig
 
 from .. import scripted
 from ..http_server import MODEL_NAME, Served, serve_scripted
-from .test_app_disconnect import aborted, wait_for
+from .test_app_disconnect import aborted
+from .waiting import wait_until
 
 
 def answer(prompt: Sequence[int], index: int) -> str:
@@ -47,7 +48,7 @@ async def test_a_batch_of_token_prompts_with_n_2() -> None:
         before = tasks(served)
         result = await c.completions.create(model=MODEL_NAME, prompt=PROMPTS, n=2, max_tokens=50)
         await served.wait_idle()
-        await wait_for(lambda: tasks(served) == before)
+        await wait_until(lambda: tasks(served) == before)
     assert [choice.index for choice in result.choices] == list(range(6))
     expected = [answer(prompt, j) for prompt in PROMPTS for j in range(2)]
     assert [choice.text for choice in result.choices] == expected
@@ -145,7 +146,7 @@ async def test_leaving_a_batched_stream_aborts_every_prompt() -> None:
                     seen.update(c["index"] for c in json.loads(line[6:])["choices"])
                 if seen == {0, 1, 2}:
                     break
-        await wait_for(lambda: aborted(served) == 3)
+        await wait_until(lambda: aborted(served) == 3)
         await served.wait_idle()
         assert served.engine.num_requests == 0
-        await wait_for(lambda: tasks(served) == before)  # the group's tasks ended too
+        await wait_until(lambda: tasks(served) == before)  # the group's tasks ended too

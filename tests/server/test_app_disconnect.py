@@ -18,16 +18,9 @@ from furnace_trio.engine.engine import EngineConfig
 
 from .. import scripted
 from ..http_server import ANSWERS, Served, default_script, scripted_app, serve_scripted
+from .waiting import engine_idle, wait_until
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
-
-
-async def wait_for(condition: Any, *, tries: int = 500) -> None:
-    for _ in range(tries):
-        if condition():
-            return
-        await trio.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 def aborted(served: Served) -> int:
@@ -48,12 +41,12 @@ async def test_disconnect_while_queued() -> None:
             first.append(await http.post("/v1/chat/completions", json=CHAT))
 
         nursery.start_soon(post_first)
-        await wait_for(lambda: served.engine.statistics().running == 1)
+        await wait_until(lambda: served.engine.statistics().running == 1)
         queued = trio.CancelScope()
         nursery.start_soon(_post_in, http, queued)
-        await wait_for(lambda: served.engine.statistics().waiting == 1)
+        await wait_until(lambda: served.engine.statistics().waiting == 1)
         queued.cancel()
-        await wait_for(lambda: served.engine.statistics().waiting == 0)
+        await wait_until(lambda: served.engine.statistics().waiting == 0)
         assert aborted(served) == 1
         gate.set()
     assert first[0].json()["choices"][0]["message"]["content"] == ANSWERS[0]
@@ -73,9 +66,9 @@ async def test_disconnect_during_prefill() -> None:
             "POST", "/v1/chat/completions", json={**CHAT, "stream": True}
         ) as response:
             assert response.status_code == 200
-            await wait_for(lambda: len(runner.plans) == 1)  # the prefill step is in flight
+            await wait_until(lambda: len(runner.plans) == 1)  # the prefill step is in flight
         # Leaving the block closed the connection mid-body.
-        await wait_for(lambda: aborted(served) == 1)
+        await wait_until(lambda: aborted(served) == 1)
         gate.set()
         await served.wait_idle()
 
@@ -149,10 +142,4 @@ async def test_disconnect_before_the_body_starts() -> None:
         assert [m["type"] for m in sent] == ["http.response.start"]
         assert engine.statistics().requests["aborted"] == 1
         gate.set()
-        for _ in range(500):
-            stats = engine.statistics()
-            if stats.running == stats.waiting == stats.kv_blocks_used == 0:
-                break
-            await trio.sleep(0.01)
-        else:
-            raise AssertionError(f"engine not idle: {engine.statistics()}")
+        await wait_until(lambda: engine_idle(engine), "an idle engine")

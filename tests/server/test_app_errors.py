@@ -12,10 +12,10 @@ import pytest
 import trio
 
 from furnace_trio.engine.engine import EngineConfig
-from furnace_trio.server import app as app_module
 
 from .. import scripted
 from ..http_server import ANSWERS, MODEL_NAME, Served, default_script, serve_scripted
+from .waiting import wait_until
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -139,15 +139,9 @@ async def test_busy_is_503_with_retry_after() -> None:
             results.append(response.status_code)
 
         nursery.start_soon(post)  # runs (its first step blocks on the gate)
-        for _ in range(500):
-            if served.engine.statistics().running == 1:
-                break
-            await trio.sleep(0.01)
+        await wait_until(lambda: served.engine.statistics().running == 1, "one running")
         nursery.start_soon(post)  # waits
-        for _ in range(500):
-            if served.engine.statistics().waiting == 1:
-                break
-            await trio.sleep(0.01)
+        await wait_until(lambda: served.engine.statistics().waiting == 1, "one waiting")
         busy = await http.post("/v1/chat/completions", json={"messages": MESSAGES})
         error = check_error(busy, 503)
         assert busy.headers["retry-after"] == "1"
@@ -199,10 +193,7 @@ async def test_dead_engine_gives_503_and_health_503() -> None:
             with pytest.raises(openai.APIError, match="engine failed"):
                 async for _ in stream:
                     pass
-            for _ in range(500):
-                if not served.state.engine_running:
-                    break
-                await trio.sleep(0.01)
+            await wait_until(lambda: not served.state.engine_running, "the engine stopped")
             with pytest.raises(openai.InternalServerError) as info:
                 await c.chat.completions.create(model=MODEL_NAME, messages=MESSAGES)  # type: ignore[arg-type]
             assert info.value.status_code == 503
@@ -252,7 +243,8 @@ async def test_an_error_answered_before_the_body_leaves_the_connection_usable(
             await stream.send_all(
                 f"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: {body_size}\r\n\r\n".encode()
             )
-            await trio.sleep(0.05)
+            # the response starts (and waits for the body) before the body is sent
+            await wait_until(lambda: served.state.http_responses[405] == 1, "the 405 started")
             await stream.send_all(b"y" * body_size)
             status, headers = await _read_response(stream, buffer)
             assert status == 405
@@ -263,12 +255,12 @@ async def test_an_error_answered_before_the_body_leaves_the_connection_usable(
 
 
 async def test_an_error_whose_body_never_comes_says_connection_close(
-    served: Served, monkeypatch: pytest.MonkeyPatch
+    served: Served,
 ) -> None:
     """A body announced but not sent within the wait: the error is answered with
     ``connection: close`` (the client must not send another request on it), and the
     server serves new connections."""
-    monkeypatch.setattr(app_module, "BODY_WAIT_S", 0.2)
+    served.app.asgi_app.body_wait_s = 0.2
     host, port = served.url.removeprefix("http://").rsplit(":", 1)
     buffer = bytearray()
     async with await trio.open_tcp_stream(host, int(port)) as stream:

@@ -23,15 +23,11 @@ from ..real_model import (
     default_runner,
     serve_real,
 )
+from .waiting import engine_idle, wait_until
 
 
 async def _idle(engine: Engine) -> None:
-    for _ in range(500):
-        s = engine.statistics()
-        if s.running == 0 and s.waiting == 0 and s.kv_blocks_used == 0:
-            return
-        await trio.sleep(0.01)
-    raise AssertionError(f"engine not idle: {engine.statistics()}")
+    await wait_until(lambda: engine_idle(engine), "an idle engine")
 
 
 async def test_chat_streaming_and_not_with_the_real_model() -> None:

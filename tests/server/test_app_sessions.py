@@ -12,6 +12,7 @@ import trio
 
 from .. import scripted
 from ..http_server import ANSWERS, MODEL_NAME, Served, serve_scripted
+from .waiting import wait_until
 
 USER = {"role": "user", "content": "Say hello, and tell me about the weather in Paris today."}
 
@@ -115,18 +116,14 @@ async def test_concurrent_turn_gets_409_and_cancelled_turn_changes_nothing() -> 
                     await turn(c, "busy", "second", max_tokens=30)
 
             nursery.start_soon(in_flight)
-            for _ in range(200):  # wait until the turn is in flight
-                if served.engine.statistics().running:
-                    break
-                await trio.sleep(0.01)
+            await wait_until(lambda: served.engine.statistics().running, "the turn in flight")
             with pytest.raises(openai.ConflictError):
                 await turn(c, "busy", "concurrent")
             cancel.cancel()  # the client goes away mid-turn
         gate.set()
-        for _ in range(500):
-            if not served.engine.get_session("busy", _owner("alice")).busy:
-                break
-            await trio.sleep(0.01)
+        await wait_until(
+            lambda: not served.engine.get_session("busy", _owner("alice")).busy, "an idle session"
+        )
         after = served.engine.get_session("busy", _owner("alice"))
         assert (list(after.messages), after.token_ids, after.blocks, after.rng_state) == snapshot
         await turn(c, "busy", "third", max_tokens=3)  # the session takes turns again

@@ -3,7 +3,7 @@ requests in flight finish within the drain deadline, and those still running at 
 deadline end with an SSE error event or a 503 error object, never silently.
 
 The server here is run the way ``python -m furnace_trio.server.serve`` runs it: the shutdown
-trigger drains first (:func:`furnace_trio.server.app.drain_then`), and only then does hypercorn
+trigger drains first (:func:`furnace_trio.server.lifecycle.drain_then`), and only then does hypercorn
 stop listening; hypercorn's own graceful period would otherwise cut streams silently.
 """
 
@@ -21,11 +21,12 @@ import trio
 from hypercorn.config import Config
 
 from furnace_trio.engine.engine import Engine, EngineConfig
-from furnace_trio.server.app import drain_then
 from furnace_trio.server.config import ServerConfig
+from furnace_trio.server.lifecycle import drain_then
 
 from .. import scripted
 from ..http_server import scripted_app
+from .waiting import wait_until
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -75,11 +76,7 @@ async def _read_stream(
 
 
 async def _wait_running(engine: Engine, count: int) -> None:
-    for _ in range(500):
-        if engine.statistics().running >= count:
-            return
-        await trio.sleep(0.01)
-    raise AssertionError("nothing started running")
+    await wait_until(lambda: engine.statistics().running >= count, f"{count} running")
 
 
 async def test_stream_in_flight_completes_within_the_drain_and_new_requests_get_503() -> None:

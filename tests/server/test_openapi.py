@@ -10,8 +10,11 @@ import jsonschema
 import pytest
 from openapi_spec_validator import validate
 
-from furnace_trio.server import protocol
+from furnace_trio.server.chat_request import parse_chat_request
+from furnace_trio.server.completion_request import parse_completion_request
+from furnace_trio.server.errors import APIError
 from furnace_trio.server.openapi import openapi_document
+from furnace_trio.server.protocol import FieldBody
 from furnace_trio.server.schemas import CHAT_FIELDS, COMPLETION_FIELDS, FieldSpec
 
 from ..http_server import MODEL_NAME, serve_scripted
@@ -45,13 +48,13 @@ def test_every_endpoint_is_documented() -> None:
 
 def _fields_read(monkeypatch: pytest.MonkeyPatch, parse: Any, body: dict[str, Any]) -> set[str]:
     seen: set[str] = set()
-    raw = protocol._Body.raw
+    raw = FieldBody.raw
 
-    def spy(self: protocol._Body, name: str) -> Any:
+    def spy(self: FieldBody, name: str) -> Any:
         seen.add(name)
         return raw(self, name)
 
-    monkeypatch.setattr(protocol._Body, "raw", spy)
+    monkeypatch.setattr(FieldBody, "raw", spy)
     parse(json.dumps(body).encode(), vocab_size=VOCAB)
     return seen
 
@@ -60,13 +63,13 @@ def _fields_read(monkeypatch: pytest.MonkeyPatch, parse: Any, body: dict[str, An
     ("parse", "fields", "schema_name", "body"),
     [
         (
-            protocol.parse_chat_request,
+            parse_chat_request,
             CHAT_FIELDS,
             "ChatCompletionRequest",
             {"messages": [{"role": "user", "content": "hi"}]},
         ),
         (
-            protocol.parse_completion_request,
+            parse_completion_request,
             COMPLETION_FIELDS,
             "CompletionRequest",
             {"prompt": "x"},
@@ -85,7 +88,7 @@ def test_validator_reads_exactly_the_published_fields(
     published = set(openapi_document()["components"]["schemas"][schema_name]["properties"])
     assert _fields_read(monkeypatch, parse, body) == published == set(fields)
     with pytest.raises(KeyError):
-        protocol._Body({}, fields).raw("not_a_field")
+        FieldBody({}, fields).raw("not_a_field")
 
 
 def _boundary_values(spec: FieldSpec) -> list[tuple[Any, bool]]:
@@ -111,12 +114,12 @@ def _boundary_values(spec: FieldSpec) -> list[tuple[Any, bool]]:
     ("parse", "fields", "base"),
     [
         (
-            protocol.parse_chat_request,
+            parse_chat_request,
             CHAT_FIELDS,
             {"messages": [{"role": "user", "content": "hi"}], "logprobs": True},
         ),
         # echo: max_tokens 0 is for it alone (a rule across fields, as top_logprobs's)
-        (protocol.parse_completion_request, COMPLETION_FIELDS, {"prompt": "x", "echo": True}),
+        (parse_completion_request, COMPLETION_FIELDS, {"prompt": "x", "echo": True}),
     ],
 )
 def test_scalar_ranges_agree_with_the_schema(
@@ -137,7 +140,7 @@ def test_scalar_ranges_agree_with_the_schema(
             try:
                 parse(json.dumps(body).encode(), vocab_size=VOCAB)
                 accepted = True
-            except protocol.APIError as exc:
+            except APIError as exc:
                 accepted = False
                 assert exc.param == spec.name, (spec.name, value, exc)
             assert accepted == valid, (spec.name, value)

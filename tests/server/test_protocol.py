@@ -7,13 +7,11 @@ from typing import Any
 
 import pytest
 
+from furnace_trio.server.chat_request import parse_chat_request
+from furnace_trio.server.completion_request import parse_completion_request
 from furnace_trio.server.config import ConfigError, ServerConfig
 from furnace_trio.server.errors import APIError
-from furnace_trio.server.protocol import (
-    parse_chat_request,
-    parse_completion_request,
-    resolve_max_tokens,
-)
+from furnace_trio.server.protocol import resolve_max_tokens
 from furnace_trio.server.schemas import MAX_PROMPTS
 
 VOCAB = 1000

@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 import trio
+import trio.testing
 
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.engine.engine import (
@@ -20,10 +21,11 @@ from furnace_trio.engine.engine import (
     FailureCause,
     GenerationRequest,
 )
-from furnace_trio.server.app import ENGINE_FAILURE_EXIT
+from furnace_trio.server.lifecycle import ENGINE_FAILURE_EXIT
 
 from .. import scripted
 from ..http_server import MODEL_NAME, default_script, serve_scripted
+from .waiting import wait_until
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 #: A real (short) watchdog: virtual time cannot be used while a worker thread runs.
@@ -114,10 +116,8 @@ async def test_exit_on_engine_failure_calls_exit_after_the_errors_went_out() -> 
             with pytest.raises(openai.APIError, match="engine failed"):
                 async for _ in stream:
                     pass
-        for _ in range(300):  # bounded: the supervisor waits EXIT_GRACE_S, then exits
-            if exits:
-                break
-            await trio.sleep(0.01)
+        # the supervisor waits EXIT_GRACE_S, then exits
+        await wait_until(lambda: exits, "the exit", timeout_s=3.0)
         assert exits == [ENGINE_FAILURE_EXIT]
 
 
@@ -134,7 +134,8 @@ async def test_no_exit_without_the_setting_or_on_a_normal_stop() -> None:
         async with httpx.AsyncClient(base_url=served.url, timeout=30) as http:
             response = await http.post("/v1/chat/completions", json={"messages": MESSAGES})
             assert response.status_code == 503
-            await trio.sleep(0.2)
+            await wait_until(lambda: not served.state.engine_running, "the engine stopped")
+            await trio.testing.wait_all_tasks_blocked()  # the supervisor has done its part
     assert exits == []
 
 

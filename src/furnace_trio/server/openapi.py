@@ -1,13 +1,10 @@
-"""The OpenAPI 3.1 document served at ``/openapi.json``.
+"""The OpenAPI 3.1 document served at ``/openapi.json``: its paths, their operations and
+error responses, around the component schemas of :mod:`furnace_trio.server.openapi_schemas`.
 
 Request bodies are generated from the field tables in :mod:`furnace_trio.server.schemas`, the same
-declarations :mod:`furnace_trio.server.protocol` validates with, so the document cannot drift from
-the validator. Response schemas describe what :mod:`furnace_trio.server.sse` and the handlers build;
-``tests/test_openapi.py`` checks real responses against them and the schemathesis fuzz run
-(``nox -s fuzz``) does so for generated requests.
-
-Request objects allow additional properties on purpose: unknown fields are ignored, as
-OpenAI does.
+declarations the validators read through, so the document cannot drift from them.
+``tests/server/test_openapi.py`` checks real responses against the document and the
+schemathesis fuzz run (``nox -s fuzz``) does so for generated requests.
 """
 
 from __future__ import annotations
@@ -17,285 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from furnace_trio import __version__
-from furnace_trio.server.schemas import (
-    CHAT_FIELDS,
-    COMPLETION_FIELDS,
-    DETOKENIZE_FIELDS,
-    MAX_SESSION_ID_LENGTH,
-    TOKENIZE_FIELDS,
-    FieldSpec,
-)
-
-_REF = "#/components/schemas/"
-
-
-def request_schema(fields: Mapping[str, FieldSpec]) -> dict[str, Any]:
-    """The JSON Schema of a request body built from its field table."""
-    return {
-        "type": "object",
-        "required": [spec.name for spec in fields.values() if spec.required],
-        "properties": {spec.name: spec.json_schema() for spec in fields.values()},
-        "additionalProperties": True,
-    }
-
-
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": _REF + name}
-
-
-def _nullable(schema: Mapping[str, Any]) -> dict[str, Any]:
-    return {"anyOf": [dict(schema), {"type": "null"}]}
-
-
-_FINISH = {"enum": ["stop", "length", "tool_calls", None]}
-_USAGE = {
-    "type": "object",
-    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-    "properties": {
-        "prompt_tokens": {"type": "integer", "minimum": 0},
-        "completion_tokens": {"type": "integer", "minimum": 0},
-        "total_tokens": {"type": "integer", "minimum": 0},
-        "prompt_tokens_details": {
-            "type": "object",
-            "properties": {"cached_tokens": {"type": "integer", "minimum": 0}},
-        },
-    },
-}
-_TOKEN_LOGPROB = {
-    "type": "object",
-    "required": ["token", "logprob"],
-    "properties": {
-        "token": {"type": "string"},
-        "logprob": {"type": "number"},
-        "bytes": {"type": ["array", "null"], "items": {"type": "integer"}},
-    },
-}
-_CHAT_LOGPROBS = {
-    "type": "object",
-    "properties": {
-        "content": {
-            "type": "array",
-            "items": {
-                "allOf": [_TOKEN_LOGPROB],
-                "properties": {"top_logprobs": {"type": "array", "items": _TOKEN_LOGPROB}},
-            },
-        }
-    },
-}
-_COMPLETION_LOGPROBS = {
-    "type": "object",
-    "properties": {
-        "tokens": {"type": "array", "items": {"type": "string"}},
-        "token_logprobs": {"type": "array", "items": {"type": "number"}},
-        "top_logprobs": {
-            "type": "array",
-            "items": {"type": "object", "additionalProperties": {"type": "number"}},
-        },
-        "text_offset": {"type": "array", "items": {"type": "integer"}},
-    },
-}
-_TOOL_CALL_OUT = {
-    "type": "object",
-    "required": ["id", "type", "function"],
-    "properties": {
-        "id": {"type": "string"},
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "required": ["name", "arguments"],
-            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
-        },
-    },
-}
-_TOOL_CALL_DELTA = {
-    "type": "object",
-    "required": ["index"],
-    "properties": {
-        "index": {"type": "integer"},
-        "id": {"type": "string"},
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
-        },
-    },
-}
-
-
-def _envelope(obj: str, choice: Mapping[str, Any], *, usage_nullable: bool) -> dict[str, Any]:
-    usage = _nullable(_ref("Usage")) if usage_nullable else _ref("Usage")
-    return {
-        "type": "object",
-        "required": ["id", "object", "created", "model", "choices"],
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"const": obj},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "system_fingerprint": {"type": "string"},
-            "session_id": {"type": "string"},
-            "choices": {"type": "array", "items": dict(choice)},
-            "usage": usage,
-        },
-    }
-
-
-_SCHEMAS: dict[str, Any] = {
-    "Usage": _USAGE,
-    "Error": {
-        "type": "object",
-        "required": ["error"],
-        "properties": {
-            "error": {
-                "type": "object",
-                "required": ["message", "type", "param", "code"],
-                "properties": {
-                    "message": {"type": "string"},
-                    "type": {"type": "string"},
-                    "param": {"type": ["string", "null"]},
-                    "code": {"type": ["string", "null"]},
-                },
-            }
-        },
-    },
-    "ChatCompletion": _envelope(
-        "chat.completion",
-        {
-            "type": "object",
-            "required": ["index", "message", "finish_reason"],
-            "properties": {
-                "index": {"type": "integer"},
-                "message": {
-                    "type": "object",
-                    "required": ["role", "content"],
-                    "properties": {
-                        "role": {"const": "assistant"},
-                        "content": {"type": ["string", "null"]},
-                        "tool_calls": {"type": "array", "items": _TOOL_CALL_OUT},
-                    },
-                },
-                "logprobs": _nullable(_CHAT_LOGPROBS),
-                "finish_reason": _FINISH,
-            },
-        },
-        usage_nullable=False,
-    ),
-    "ChatCompletionChunk": _envelope(
-        "chat.completion.chunk",
-        {
-            "type": "object",
-            "required": ["index", "delta"],
-            "properties": {
-                "index": {"type": "integer"},
-                "delta": {
-                    "type": "object",
-                    "properties": {
-                        "role": {"const": "assistant"},
-                        "content": {"type": ["string", "null"]},
-                        "tool_calls": {"type": "array", "items": _TOOL_CALL_DELTA},
-                    },
-                },
-                "logprobs": _nullable(_CHAT_LOGPROBS),
-                "finish_reason": _FINISH,
-            },
-        },
-        usage_nullable=True,
-    ),
-    "TextCompletion": _envelope(
-        "text_completion",
-        {
-            "type": "object",
-            "required": ["index", "text", "finish_reason"],
-            "properties": {
-                "index": {"type": "integer"},
-                "text": {"type": "string"},
-                "logprobs": _nullable(_COMPLETION_LOGPROBS),
-                "finish_reason": _FINISH,
-            },
-        },
-        usage_nullable=True,
-    ),
-    "Model": {
-        "type": "object",
-        "required": ["id", "object", "created", "owned_by"],
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"const": "model"},
-            "created": {"type": "integer"},
-            "owned_by": {"type": "string"},
-            "max_model_len": {"type": "integer"},
-        },
-    },
-    "ModelList": {
-        "type": "object",
-        "required": ["object", "data"],
-        "properties": {
-            "object": {"const": "list"},
-            "data": {"type": "array", "items": _ref("Model")},
-        },
-    },
-    "Session": {
-        "type": "object",
-        "required": ["id", "object", "turns", "messages", "cached_tokens"],
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"const": "session"},
-            "turns": {"type": "integer", "minimum": 0},
-            "messages": {"type": "array", "items": {"type": "object"}},
-            "cached_tokens": {"type": "integer", "minimum": 0},
-        },
-    },
-    "SessionDeleted": {
-        "type": "object",
-        "required": ["id", "object", "deleted"],
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"const": "session.deleted"},
-            "deleted": {"const": True},
-        },
-    },
-    "Health": {
-        "type": "object",
-        "required": ["status"],
-        "properties": {
-            "status": {"enum": ["ok", "unavailable"]},
-            "model": {"type": "string"},
-            "error": {"type": "string"},
-        },
-    },
-    "ChatCompletionRequest": request_schema(CHAT_FIELDS),
-    "CompletionRequest": request_schema(COMPLETION_FIELDS),
-    "TokenizeRequest": request_schema(TOKENIZE_FIELDS),
-    "DetokenizeRequest": request_schema(DETOKENIZE_FIELDS),
-    "TokenizeResponse": {
-        "type": "object",
-        "required": ["count", "max_model_len", "tokens"],
-        "properties": {
-            "count": {"type": "integer", "minimum": 0},
-            "max_model_len": {"type": "integer", "minimum": 1},
-            "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-            "token_strs": {"type": "array", "items": {"type": ["string", "null"]}},
-        },
-    },
-    "DetokenizeResponse": {
-        "type": "object",
-        "required": ["prompt"],
-        "properties": {"prompt": {"type": "string"}},
-    },
-    "TokenizerInfo": {
-        "type": "object",
-        "required": ["eos_token", "bos_token", "pad_token", "chat_template", "model_max_length"],
-        "properties": {
-            "tokenizer_class": {"type": "string"},
-            "eos_token": {"type": ["string", "null"]},
-            "bos_token": {"type": ["string", "null"]},
-            "pad_token": {"type": ["string", "null"]},
-            "add_bos_token": {"type": "boolean"},
-            "chat_template": {"type": ["string", "null"]},
-            "model_max_length": {"type": "integer", "minimum": 1},
-        },
-    },
-}
+from furnace_trio.server.openapi_schemas import SCHEMAS, ref
+from furnace_trio.server.schemas import MAX_SESSION_ID_LENGTH
 
 _ERROR_STATUSES: Mapping[str, str] = {
     "400": "Invalid request: the error names the offending parameter.",
@@ -313,7 +33,7 @@ def _json(schema: Mapping[str, Any], description: str) -> dict[str, Any]:
 
 
 def _errors(*statuses: str) -> dict[str, Any]:
-    return {s: _json(_ref("Error"), _ERROR_STATUSES[s]) for s in statuses}
+    return {s: _json(ref("Error"), _ERROR_STATUSES[s]) for s in statuses}
 
 
 _GENERATION_ERRORS = ("400", "401", "404", "413", "500", "503")
@@ -339,7 +59,7 @@ def _sse_event(chunk: str) -> dict[str, Any]:
                     {"const": "[DONE]"},
                     {
                         "contentMediaType": "application/json",
-                        "contentSchema": {"oneOf": [_ref(chunk), _ref("Error")]},
+                        "contentSchema": {"oneOf": [ref(chunk), ref("Error")]},
                     },
                 ],
             },
@@ -358,14 +78,14 @@ def _generation(
     *,
     session: bool = False,
 ) -> dict[str, Any]:
-    ok = _json(_ref(response), "The whole answer (stream false or absent).")
+    ok = _json(ref(response), "The whole answer (stream false or absent).")
     ok["content"]["text/event-stream"] = {"schema": _sse_event(chunk)}
     operation: dict[str, Any] = {
         "summary": summary,
         "operationId": op_id,
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": _ref(request)}},
+            "content": {"application/json": {"schema": ref(request)}},
         },
         "responses": {"200": ok, **_errors(*_GENERATION_ERRORS)},
     }
@@ -400,9 +120,9 @@ def _tokenizer_call(summary: str, operation: str, name: str, answer: str) -> dic
         "operationId": operation,
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": _ref(f"{name}Request")}},
+            "content": {"application/json": {"schema": ref(f"{name}Request")}},
         },
-        "responses": {"200": _json(_ref(f"{name}Response"), answer)}
+        "responses": {"200": _json(ref(f"{name}Response"), answer)}
         | _errors("400", "401", "404", "413", "503"),
     }
 
@@ -434,7 +154,7 @@ def openapi_document() -> dict[str, Any]:
                 "summary": "The model this server serves",
                 "operationId": "listModels",
                 "responses": {
-                    "200": _json(_ref("ModelList"), "One model."),
+                    "200": _json(ref("ModelList"), "One model."),
                     **_errors("401", "503"),
                 },
             }
@@ -444,7 +164,7 @@ def openapi_document() -> dict[str, Any]:
                 "summary": "One model",
                 "operationId": "retrieveModel",
                 "parameters": [_path_param("model_id", "The model's id.")],
-                "responses": {"200": _json(_ref("Model"), "The model.")}
+                "responses": {"200": _json(ref("Model"), "The model.")}
                 | _errors("401", "404", "503"),
             }
         },
@@ -453,13 +173,13 @@ def openapi_document() -> dict[str, Any]:
             "get": {
                 "summary": "A session's conversation",
                 "operationId": "getSession",
-                "responses": {"200": _json(_ref("Session"), "The session.")}
+                "responses": {"200": _json(ref("Session"), "The session.")}
                 | _errors("401", "404", "503"),
             },
             "delete": {
                 "summary": "End a session",
                 "operationId": "deleteSession",
-                "responses": {"200": _json(_ref("SessionDeleted"), "Deleted.")}
+                "responses": {"200": _json(ref("SessionDeleted"), "Deleted.")}
                 | _errors("401", "404", "409", "503"),
             },
         },
@@ -480,7 +200,7 @@ def openapi_document() -> dict[str, Any]:
             "get": {
                 "summary": "The served model's special tokens and chat template (as vLLM's)",
                 "operationId": "tokenizerInfo",
-                "responses": {"200": _json(_ref("TokenizerInfo"), "The tokenizer.")}
+                "responses": {"200": _json(ref("TokenizerInfo"), "The tokenizer.")}
                 | _errors("401", "503"),
             }
         },
@@ -489,8 +209,8 @@ def openapi_document() -> dict[str, Any]:
                 "summary": "Whether the engine serves",
                 "operationId": "health",
                 "responses": {
-                    "200": _json(_ref("Health"), "Serving."),
-                    "503": _json(_ref("Health"), "Not serving (the error says why)."),
+                    "200": _json(ref("Health"), "Serving."),
+                    "503": _json(ref("Health"), "Not serving (the error says why)."),
                 },
             }
         },
@@ -526,7 +246,7 @@ def openapi_document() -> dict[str, Any]:
             },
             "paths": paths,
             "components": {
-                "schemas": _SCHEMAS,
+                "schemas": SCHEMAS,
                 "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             },
         }

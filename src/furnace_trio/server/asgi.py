@@ -1,0 +1,111 @@
+"""The ASGI wrapper around the whole app: :class:`AbortOnExit`.
+
+Each generation registers its request id in the ASGI scope (:func:`register_abort`). The
+handler's ``finally`` aborts it (sync, idempotent); the wrapper aborts every registered id
+again on the way out, which covers a client that leaves after the handler returned a
+streaming response but before its body generator started (its ``finally`` then never
+runs). The wrapper also counts responses by status for ``/metrics``, counts the HTTP
+requests in flight for the drain, and holds back a response that would start before its
+request's body has arrived (:func:`_after_the_body`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+from quart import request
+
+from furnace_trio.server.state import ServerState
+
+if TYPE_CHECKING:
+    from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
+
+SCOPE_KEY = "furnace_trio.request_ids"
+
+#: How long a response that starts before its request's body waits for it (see
+#: :func:`_after_the_body`); :attr:`AbortOnExit.body_wait_s` holds the app's own.
+BODY_WAIT_S = 2.0
+
+
+async def _after_the_body(
+    message: Any, status: int, body_received: trio.Event, body_wait_s: float
+) -> Any:
+    """A response that starts before its request's body has arrived (a 404, 405 or 401
+    answered from the headers alone, while the client is still sending the body): wait a
+    moment for the body, then answer. A connection whose request body was still coming
+    in when the response ended is left stuck by hypercorn 0.18's HTTP/1.1 protocol: the
+    next request on it gets no answer. If the body does not arrive in ``body_wait_s``
+    (or is refused as too large, 413), the response says ``connection: close`` instead,
+    and the client opens a new connection for its next request."""
+    if status != 413:
+        with trio.move_on_after(body_wait_s):
+            await body_received.wait()
+    if body_received.is_set():
+        return message
+    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+    return {**message, "headers": [*headers, (b"connection", b"close")]}
+
+
+class AbortOnExit:
+    """ASGI wrapper: count responses by status, start none before the request's body has
+    arrived (:func:`_after_the_body`), and abort a request's sequences when it ends.
+
+    Aborting is idempotent and synchronous, so doing it for every registered id after the
+    inner app returns (normally, by cancellation or by an exception) is always safe.
+    ``body_wait_s`` bounds the wait for a body that a response would start before.
+    """
+
+    def __init__(
+        self, inner: Callable[..., Any], state: ServerState, *, body_wait_s: float = BODY_WAIT_S
+    ) -> None:
+        self.inner = inner
+        self.state = state
+        self.body_wait_s = body_wait_s
+
+    async def __call__(
+        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
+        if scope["type"] != "http":
+            await self.inner(scope, receive, send)
+            return
+        request_ids: list[str] = []
+        scope[SCOPE_KEY] = request_ids  # type: ignore[literal-required]
+        body_received = trio.Event()
+
+        async def watching_receive() -> Any:
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                body_received.set()
+            return message
+
+        async def counting_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                self.state.http_responses[status] += 1
+                if not body_received.is_set():
+                    message = await _after_the_body(
+                        message, status, body_received, self.body_wait_s
+                    )
+            await send(message)
+
+        state = self.state
+        if state.in_flight == 0:
+            state.no_requests = trio.Event()
+        state.in_flight += 1
+        try:
+            await self.inner(scope, watching_receive, counting_send)
+        finally:
+            state.in_flight -= 1
+            if state.in_flight == 0:
+                state.no_requests.set()
+            backend = self.state.backend
+            if backend is not None:
+                for request_id in request_ids:
+                    backend.engine.abort(request_id)
+
+
+def register_abort(request_id: str) -> None:
+    """Have :class:`AbortOnExit` abort ``request_id`` when the current request ends."""
+    request.scope[SCOPE_KEY].append(request_id)  # type: ignore[literal-required]

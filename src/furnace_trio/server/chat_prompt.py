@@ -1,0 +1,56 @@
+"""A conversation rendered by the model's chat template and tokenized.
+
+Tools are folded into the prompt as the template expects them
+(:func:`~furnace_trio.tools.tool_prompt.prepare_tool_messages`). These functions block for
+as long as rendering and tokenizing take, so handlers call them in a worker thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from furnace_trio.server.chat_request import ChatRequest
+from furnace_trio.server.errors import invalid_request
+from furnace_trio.tools.tool_prompt import prepare_tool_messages, template_supports_tools
+
+if TYPE_CHECKING:
+    from furnace_trio.server.backend import Backend
+
+
+def render_chat(backend: Backend, parsed: ChatRequest) -> tuple[int, ...]:
+    """Template and tokenize (runs in a worker thread; big inputs take a while)."""
+    text = render_messages(
+        backend,
+        parsed.messages,
+        parsed.tools if parsed.tool_choice != "none" else None,
+        required=parsed.tool_choice == "required",
+        function=parsed.tool_function,
+    )
+    return tuple(backend.tokenizer.encode(text, add_special_tokens=False))
+
+
+def render_messages(
+    backend: Backend,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    required: bool = False,
+    function: str | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """A conversation (and its tools) rendered by the chat template; a 400 naming
+    ``messages`` when it cannot be."""
+    try:
+        prepared, tools_out = prepare_tool_messages(
+            messages,
+            tools,
+            template_has_tools=template_supports_tools(backend.tokenizer.chat_template),
+            required=required,
+            function=function,
+        )
+        return backend.tokenizer.apply_chat_template(
+            prepared, add_generation_prompt=add_generation_prompt, tools=tools_out
+        )
+    except ValueError as exc:
+        raise invalid_request(f"cannot render the chat template: {exc}", "messages") from None

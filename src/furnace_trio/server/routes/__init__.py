@@ -1,0 +1,33 @@
+"""The routes, one module per API family, each with a ``register(app, state)``.
+
+- :mod:`.service`: ``/health``, ``/metrics``, ``/openapi.json``, ``/v1/models``
+- :mod:`.chat`: ``/v1/chat/completions`` (session turns included)
+- :mod:`.completions`: ``/v1/completions``
+- :mod:`.sessions`: ``/v1/sessions/<id>``
+- :mod:`.tokenizer`: ``/tokenize``, ``/detokenize``, ``/tokenizer_info``
+
+Everything under ``/v1`` and the tokenizer paths is behind the API key, when the server has
+one; ``/health``, ``/metrics`` and ``/openapi.json`` are open.
+"""
+
+from __future__ import annotations
+
+from quart import request
+from quart_trio import QuartTrio
+
+from furnace_trio.server.auth import check_api_key
+from furnace_trio.server.routes import chat, completions, service, sessions, tokenizer
+from furnace_trio.server.routes.tokenizer import TOKENIZER_PATHS
+from furnace_trio.server.state import ServerState
+
+
+def register_routes(app: QuartTrio, state: ServerState) -> None:
+    """Check the API key before every protected route, then register every family."""
+
+    @app.before_request
+    async def authenticate() -> None:
+        if request.path.startswith("/v1") or request.path in TOKENIZER_PATHS:
+            check_api_key(state)
+
+    for family in (service, chat, completions, sessions, tokenizer):
+        family.register(app, state)
