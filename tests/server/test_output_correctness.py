@@ -4,13 +4,22 @@ forced tool calls that end, partial calls on ``length``, grammars that end."""
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
 import openai
 
 from ..real_model import NAME, serve_real
-from .test_app_tools import WEATHER
+from .test_app_tools import TIME, WEATHER
+
+
+def _closed(tool: dict[str, Any]) -> dict[str, Any]:
+    """``tool`` with ``additionalProperties: false`` on its arguments (a well-formed tool)."""
+    closed = copy.deepcopy(tool)
+    closed["function"]["parameters"]["additionalProperties"] = False
+    return closed
+
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -48,3 +57,29 @@ async def test_logprobs_of_a_constrained_request_are_finite_json() -> None:
         assert 1 <= len(entry.top_logprobs) <= 5
         forced += len(entry.top_logprobs) < 5
     assert forced > 0  # the markup is forced: fewer than 5 tokens are allowed there
+
+
+async def test_forced_calls_end_on_their_own() -> None:
+    """``required`` may call several tools but ends (the model prefers to repeat its call:
+    the repeat ends the output and is dropped); ``parallel_tool_calls: false`` and a named
+    function give exactly one call. Each stops well before ``max_tokens``."""
+    tools = [_closed(WEATHER), _closed(TIME)]
+    cases: list[dict[str, Any]] = [
+        {"tool_choice": "required"},
+        {"tool_choice": "required", "parallel_tool_calls": False},
+        {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    ]
+    async with serve_real() as (url, _), _client(url) as client:
+        for extra in cases:
+            reply = await client.chat.completions.create(
+                model=NAME, messages=ASK, tools=tools, temperature=0, max_tokens=200, **extra
+            )
+            choice = reply.choices[0]
+            calls = [
+                (c.function.name, c.function.arguments) for c in choice.message.tool_calls or []
+            ]
+            assert choice.finish_reason == "tool_calls", (extra, calls)
+            assert reply.usage is not None and reply.usage.completion_tokens < 200
+            assert calls and len(set(calls)) == len(calls), calls
+            if extra != {"tool_choice": "required"}:
+                assert [name for name, _ in calls] == ["get_weather"]

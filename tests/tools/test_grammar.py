@@ -3,6 +3,7 @@ them, and the default model producing schema-valid JSON and valid calls over HTT
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -142,3 +143,33 @@ async def test_default_model_json_schema_and_forced_call() -> None:
                 assert chunks[-1].choices[0].finish_reason == "tool_calls"
             assert name == "get_weather"
             jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+
+
+def test_a_repeated_forced_call_can_only_end() -> None:
+    """After a complete call the output may end (a newline after it too); when the call
+    repeats an earlier one, the end is all that is allowed."""
+    tokenizer = smollm2_tokenizer()
+    constraint = GrammarCompiler(tokenizer).tool_calls(
+        {"get_weather": WEATHER["function"]["parameters"]}, parallel=True
+    )
+    eos = sorted(tokenizer.eos_token_ids)
+
+    def call(city: str) -> str:
+        return (
+            f'<tool_call>\n{{"name":"get_weather","arguments":{{"city":"{city}"}}}}\n</tool_call>'
+        )
+
+    seq_ids = itertools.count()
+
+    def mask_after(text: str) -> Any:  # each text as its own sequence
+        return constraint.allowed(next(seq_ids), tokenizer.encode(text, add_special_tokens=False))
+
+    newline = tokenizer.encode("\n", add_special_tokens=False)[0]
+    first = mask_after(call("Paris"))
+    assert any(_allowed(first, t) for t in eos) and _allowed(first, newline)
+    assert any(_allowed(mask_after(call("Paris") + "\n"), t) for t in eos)
+    other = mask_after(call("Paris") + "\n" + call("Rome"))
+    assert _allowed(other, newline)
+    repeated = mask_after(call("Paris") + "\n" + call("Rome") + "\n" + call("Paris"))
+    allowed = [t for t in range(tokenizer.vocab_size) if _allowed(repeated, t)]
+    assert allowed and set(allowed) <= set(eos)

@@ -203,3 +203,14 @@ def test_feed_after_finish_raises() -> None:
     parser.finish()
     with pytest.raises(ValueError):
         parser.feed("x")
+
+
+def test_a_repeated_call_is_dropped() -> None:
+    parser = ToolCallParser(ToolCallFormat.HERMES, {"f": None, "g": None})
+    call = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n'
+    other = '<tool_call>{"name": "f", "arguments": {"a": 2}}</tool_call>\n'
+    events = parser.feed(call + other + call) + parser.finish()
+    assert [c.arguments for c in parser.calls] == ['{"a": 1}', '{"a": 2}']
+    assert [e.reason for e in events if isinstance(e, ToolCallFallback)] == [
+        FallbackReason.DUPLICATE_CALL
+    ]

@@ -21,6 +21,8 @@ Invariants, and why:
   content and is published as such.
 - Arguments are checked against the tool's JSON schema; a mismatch is reported, and the
   call still stands (the client, which owns the tool, decides what to do with it).
+- A call that repeats an earlier one of the output (same name, same arguments) is dropped:
+  a client would run the tool twice for one intent.
 - Whitespace between or after calls is dropped; other text after a call is content,
   reported once as ``trailing_text``.
 """
@@ -70,6 +72,7 @@ class FallbackReason(enum.StrEnum):
     MISSING_END_MARKER = "missing_end_marker"  # complete JSON, no closing tag: call kept
     TRAILING_TEXT = "trailing_text"  # content after a call: kept as content
     EXTRA_CALL = "extra_call"  # a second call with parallel_tool_calls false: dropped
+    DUPLICATE_CALL = "duplicate_call"  # the same name and arguments as an earlier call: dropped
 
 
 def new_tool_call_id() -> str:
@@ -371,10 +374,14 @@ class ToolCallParser:
             if self.calls and not self.parallel:
                 out.append(ToolCallFallback(FallbackReason.EXTRA_CALL, name))
                 continue
+            serialised = json.dumps(arguments, ensure_ascii=False)
+            if any(c.name == name and c.arguments == serialised for c in self.calls):
+                out.append(ToolCallFallback(FallbackReason.DUPLICATE_CALL, name))
+                continue
             problem = self._schema_problem(name, arguments)
             if problem is not None:
                 out.append(ToolCallFallback(FallbackReason.SCHEMA_MISMATCH, f"{name}: {problem}"))
-            call = ToolCall(self.id_factory(), name, json.dumps(arguments, ensure_ascii=False))
+            call = ToolCall(self.id_factory(), name, serialised)
             self.calls.append(call)
             self._after_call = True
             out.append(ToolCallParsed(len(self.calls) - 1, call))
