@@ -83,3 +83,30 @@ async def test_forced_calls_end_on_their_own() -> None:
             assert calls and len(set(calls)) == len(calls), calls
             if extra != {"tool_choice": "required"}:
                 assert [name for name, _ in calls] == ["get_weather"]
+
+
+async def test_a_forced_call_cut_by_max_tokens_is_returned_with_length() -> None:
+    """The call as far as it got (its name, the argument text so far), streamed and not."""
+    common: dict[str, Any] = {
+        "model": NAME,
+        "messages": ASK,
+        "tools": [_closed(WEATHER)],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "temperature": 0,
+        "max_tokens": 18,
+    }
+    async with serve_real() as (url, _), _client(url) as client:
+        reply = await client.chat.completions.create(**common)
+        stream = await client.chat.completions.create(**common, stream=True)
+        chunks = [c async for c in stream]
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.tool_calls is not None and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert call.function.arguments and '{"city":"Paris"}'.startswith(call.function.arguments)
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert [d.function.name for d in deltas if d.function and d.function.name] == ["get_weather"]
+    streamed = "".join(d.function.arguments or "" for d in deltas if d.function)
+    assert streamed == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
