@@ -28,6 +28,7 @@ import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from furnace_trio.loading.tokenizer import Tokenizer
+from furnace_trio.tools.schema_bounds import ANY_VALUE_DEFS, bounded_schema, bounded_subschema
 
 logger = logging.getLogger(__name__)
 
@@ -140,10 +141,10 @@ class GrammarCompiler:
             return self._ll
 
     def json_schema(self, schema: Mapping[str, Any] | None) -> GrammarConstraint:
-        """Any JSON object (``schema is None``), or one valid against ``schema``."""
-        target = dict(schema) if schema is not None else {"type": "object"}
+        """Any JSON object (``schema is None``), or one valid against ``schema``; numbers
+        the schema leaves unbounded are bounded (see :mod:`~furnace_trio.tools.schema_bounds`)."""
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            target, defaults={"whitespace_flexible": False}
+            bounded_schema(schema), defaults={"whitespace_flexible": False}
         )
         return GrammarConstraint(self._ll_tokenizer(), grammar)
 
@@ -162,7 +163,7 @@ class GrammarCompiler:
                 "type": "object",
                 "properties": {
                     "name": {"const": name},
-                    "arguments": dict(schema) if schema else {"type": "object"},
+                    "arguments": bounded_subschema(schema or None),
                 },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
@@ -170,7 +171,7 @@ class GrammarCompiler:
             for name, schema in tools.items()
         ]
         call_schema = options[0] if len(options) == 1 else {"anyOf": options}
-        call_schema = {**call_schema, "x-guidance": _COMPACT}
+        call_schema = {**call_schema, "x-guidance": _COMPACT, "$defs": ANY_VALUE_DEFS}
         body = f'"<tool_call>\\n" %json {json.dumps(call_schema)} "\\n</tool_call>"'
         # Generation may end after any complete call, a trailing newline included; a
         # call that repeats an earlier one of the same output ends it (see
