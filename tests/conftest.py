@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(no_gpu)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON (RFC 8259 has no NaN or Infinity)")
+
+
+_lenient_loads = json.loads
+
+
+def _strict_loads(s: str | bytes | bytearray, **kwargs: Any) -> Any:
+    kwargs.setdefault("parse_constant", _reject_constant)
+    return _lenient_loads(s, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def strict_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``json.loads`` in a test rejects ``NaN``, ``Infinity`` and ``-Infinity``.
+
+    The openai SDK (``json.loads`` on each SSE event, httpx's ``Response.json()`` on a
+    whole body) and the tests' own parsing all go through ``json.loads``, so a response
+    body that a strict client (openai-node's ``JSON.parse``) would refuse fails the test.
+    """
+    monkeypatch.setattr(json, "loads", _strict_loads)
 
 
 # -- the embedded default model, shared by every test module (loaded once per run) -------

@@ -201,3 +201,32 @@ def test_sampling_keeps_its_tensors_on_the_logits_device() -> None:
     drawn = _draw(processed, specs, [None] * 3, [0, 1, 2])
     assert processed.device.type == drawn.device.type == "meta"
     assert drawn.shape == (3,)
+
+
+class _OnlyTokens:
+    """A constraint that allows exactly ``tokens``."""
+
+    def __init__(self, *tokens: int) -> None:
+        self.tokens = tokens
+
+    def allowed(self, seq_id: int, output_token_ids: object) -> torch.Tensor:
+        words = torch.zeros((VOCAB + 31) // 32, dtype=torch.int64)
+        for t in self.tokens:
+            words[t // 32] |= 1 << (t % 32)
+        return words.to(torch.int32)
+
+
+def test_logprobs_under_a_grammar_are_the_masked_distribution_without_masked_tokens() -> None:
+    logits = logits_for(1, seed=10)
+    spec = SampleSpec(seq_id=0, params=SamplingParams(logprobs=5, constraint=_OnlyTokens(3, 17)))
+    (token,) = sample(logits, [spec], [None])
+    masked = torch.full((VOCAB,), float("-inf"))
+    masked[[3, 17]] = logits[0, [3, 17]]
+    expected = torch.log_softmax(masked, -1)
+    assert token.token_id in (3, 17)
+    assert token.logprob == pytest.approx(float(expected[token.token_id]), abs=1e-5)
+    assert sorted(t.token_id for t in token.top_logprobs) == [3, 17]
+    assert all(
+        t.logprob == pytest.approx(float(expected[t.token_id]), abs=1e-5)
+        for t in token.top_logprobs
+    )

@@ -181,11 +181,14 @@ async def test_call_cut_by_max_tokens_keeps_length(served: Served) -> None:
             model=MODEL_NAME,
             messages=[{"role": "user", "content": "long?"}],
             tools=[WEATHER],
-            max_tokens=30,
+            max_tokens=50,
         )
     choice = response.choices[0]
     assert choice.finish_reason == "length"
-    assert not choice.message.tool_calls
+    assert choice.message.tool_calls is not None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert '{"city": "A very long city name that goes on"}'.startswith(call.function.arguments)
     assert "<tool_call>" not in (choice.message.content or "")
 
 

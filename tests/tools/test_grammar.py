@@ -3,6 +3,7 @@ them, and the default model producing schema-valid JSON and valid calls over HTT
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -142,3 +143,72 @@ async def test_default_model_json_schema_and_forced_call() -> None:
                 assert chunks[-1].choices[0].finish_reason == "tool_calls"
             assert name == "get_weather"
             jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+
+
+def test_a_repeated_forced_call_can_only_end() -> None:
+    """After a complete call the output may end (a newline after it too); when the call
+    repeats an earlier one, the end is all that is allowed."""
+    tokenizer = smollm2_tokenizer()
+    constraint = GrammarCompiler(tokenizer).tool_calls(
+        {"get_weather": WEATHER["function"]["parameters"]}, parallel=True
+    )
+    eos = sorted(tokenizer.eos_token_ids)
+
+    def call(city: str) -> str:
+        return (
+            f'<tool_call>\n{{"name":"get_weather","arguments":{{"city":"{city}"}}}}\n</tool_call>'
+        )
+
+    seq_ids = itertools.count()
+
+    def mask_after(text: str) -> Any:  # each text as its own sequence
+        return constraint.allowed(next(seq_ids), tokenizer.encode(text, add_special_tokens=False))
+
+    newline = tokenizer.encode("\n", add_special_tokens=False)[0]
+    first = mask_after(call("Paris"))
+    assert any(_allowed(first, t) for t in eos) and _allowed(first, newline)
+    assert any(_allowed(mask_after(call("Paris") + "\n"), t) for t in eos)
+    other = mask_after(call("Paris") + "\n" + call("Rome"))
+    assert _allowed(other, newline)
+    repeated = mask_after(call("Paris") + "\n" + call("Rome") + "\n" + call("Paris"))
+    allowed = [t for t in range(tokenizer.vocab_size) if _allowed(repeated, t)]
+    assert allowed and set(allowed) <= set(eos)
+
+
+@pytest.mark.parametrize(
+    ("schema", "text"),
+    [
+        (PERSON, '{"name":"Ann","age":' + "1" * 30),
+        (None, '{"population":' + "1" * 30),
+        (None, '{"ratio":0.' + "1" * 30),
+        ({"type": "object", "properties": {"x": {"type": "number"}}}, '{"x":1' + "0" * 30),
+        (None, '{"a": 1}'),  # compact: no whitespace run to grow
+    ],
+)
+def test_schema_grammars_bound_numbers_and_whitespace(schema: Any, text: str) -> None:
+    """Numbers the schema leaves unbounded (integers to 64 bits, numbers to 10^15 and six
+    decimals), and whitespace, cannot run on: the grammar rejects the text (and lifts)."""
+    tokenizer = smollm2_tokenizer()
+    constraint = GrammarCompiler(tokenizer).json_schema(schema)
+    assert constraint.allowed(1, tokenizer.encode(text, add_special_tokens=False)) is None
+
+
+def test_bounded_numbers_still_take_what_the_schema_allows() -> None:
+    tokenizer = smollm2_tokenizer()
+    schema = {
+        "type": "object",
+        "properties": {"big": {"type": "integer"}, "x": {"type": "number", "maximum": 1e17}},
+    }
+    constraint = GrammarCompiler(tokenizer).json_schema(schema)
+    text = '{"big":-9223372036854774784,"x":99999999999999999.5}'
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    final = constraint.allowed(1, tokens)
+    assert final is not None and [t for t in tokenizer.eos_token_ids if _allowed(final, t)]
+
+
+def test_forced_call_arguments_are_bounded() -> None:
+    tokenizer = smollm2_tokenizer()
+    tool = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    constraint = GrammarCompiler(tokenizer).tool_calls({"count": tool}, parallel=False)
+    text = '<tool_call>\n{"name":"count","arguments":{"n":' + "9" * 30
+    assert constraint.allowed(1, tokenizer.encode(text, add_special_tokens=False)) is None

@@ -203,3 +203,37 @@ def test_feed_after_finish_raises() -> None:
     parser.finish()
     with pytest.raises(ValueError):
         parser.feed("x")
+
+
+def test_a_repeated_call_is_dropped() -> None:
+    parser = ToolCallParser(ToolCallFormat.HERMES, {"f": None, "g": None})
+    call = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n'
+    other = '<tool_call>{"name": "f", "arguments": {"a": 2}}</tool_call>\n'
+    events = parser.feed(call + other + call) + parser.finish()
+    assert [c.arguments for c in parser.calls] == ['{"a": 1}', '{"a": 2}']
+    assert [e.reason for e in events if isinstance(e, ToolCallFallback)] == [
+        FallbackReason.DUPLICATE_CALL
+    ]
+
+
+@pytest.mark.parametrize("cut", [True, False])
+def test_a_call_cut_by_the_token_limit_is_returned_as_far_as_it_got(cut: bool) -> None:
+    parser = ToolCallParser(ToolCallFormat.HERMES, {"get_weather": WEATHER})
+    events = parser.feed('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
+    events += parser.finish(cut=cut)
+    if cut:
+        assert [(c.name, c.arguments) for c in parser.calls] == [("get_weather", '{"city": "Pa')]
+    else:
+        assert parser.calls == []
+    assert [e.text for e in events if isinstance(e, ContentDelta)] == ["Sure."]
+
+
+def test_a_cut_call_without_its_arguments_or_name() -> None:
+    named = ToolCallParser(ToolCallFormat.HERMES, {"get_weather": WEATHER})
+    named.feed('<tool_call>{"name": "get_weather", "argu')
+    named.finish(cut=True)
+    assert [(c.name, c.arguments) for c in named.calls] == [("get_weather", "")]
+    unnamed = ToolCallParser(ToolCallFormat.HERMES, {"get_weather": WEATHER})
+    unnamed.feed('<tool_call>{"name": "get_wea')
+    unnamed.finish(cut=True)
+    assert unnamed.calls == []

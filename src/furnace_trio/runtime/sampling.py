@@ -11,10 +11,12 @@ vocabulary)::
                      -> other rows: / temperature -> top_k -> top_p -> min_p
                                     -> draw with the row's generator
 
-Logprobs describe the model's distribution after the request's penalties and bias but
-before temperature and the top-k/top-p/min-p filters, as OpenAI reports them: they do not
-depend on how the token was drawn, and with plain parameters they are exactly
-``log_softmax(logits)``.
+Logprobs describe the model's distribution after the request's penalties, bias and
+grammar mask but before temperature and the top-k/top-p/min-p filters, as OpenAI reports
+them: they do not depend on how the token was drawn, and with plain parameters they are
+exactly ``log_softmax(logits)``. Under a grammar that is the masked distribution, so the
+top alternatives are tokens the grammar allows (fewer than asked where it allows fewer);
+a masked token's ``-inf`` is never reported (it is not a JSON number).
 
 Drawing uses the exponential race (``argmax(p / q)`` with ``q ~ Exp(1)``), which is an exact
 sample of ``p`` and needs no cumulative sums or host syncs. Rows with a generator (a seeded
@@ -26,6 +28,7 @@ When the whole batch is greedy with no penalties, bias or logprobs, sampling is 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -131,8 +134,9 @@ def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, tops: Sequence[int]
 ) -> list[tuple[float, tuple[TokenLogprob, ...]]]:
     """For each row of ``logits`` (float32 ``[R, vocab]``): the logprob of ``token_ids[row]``
-    under ``log_softmax`` of the row, and the ``tops[row]`` likeliest tokens with theirs
-    (sampled tokens' logprobs, and a scored prompt's in the runner)."""
+    under ``log_softmax`` of the row, and up to ``tops[row]`` of the likeliest tokens with
+    theirs, leaving out tokens at ``-inf`` (masked by a grammar). Sampled tokens' logprobs,
+    and a scored prompt's in the runner."""
     logprobs = torch.log_softmax(logits, dim=-1)
     picked = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
     k = min(max(tops, default=0), logprobs.shape[1])
@@ -144,7 +148,8 @@ def token_logprobs(
     out = []
     for j, want in enumerate(tops):
         alternatives = zip(top_ids[j][:want], top_values[j][:want], strict=True)
-        out.append((picked[j], tuple(TokenLogprob(t, v) for t, v in alternatives)))
+        top = tuple(TokenLogprob(t, v) for t, v in alternatives if v != -math.inf)
+        out.append((picked[j], top))
     return out
 
 

@@ -30,11 +30,14 @@ _HOLE = "\ue000furnace-text\ue000"
 
 
 #: ``json.dumps`` with options builds a new encoder for every call; this one is built once.
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def dumps(value: object) -> str:
-    """Compact JSON, UTF-8 kept as is (the body is encoded as UTF-8 once)."""
+    """Compact JSON, UTF-8 kept as is (the body is encoded as UTF-8 once).
+
+    Strict: NaN or an infinity raises ``ValueError`` (the request fails as a server error)
+    instead of writing ``NaN``/``Infinity``, which no strict JSON parser reads."""
     return _ENCODER.encode(value)
 
 

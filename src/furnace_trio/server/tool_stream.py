@@ -63,7 +63,7 @@ class ToolCallStream:
             parsed = self._parsers[event.index].feed(event.text)
             return self._events(event.index, parsed, event)
         if isinstance(event, Finished):
-            parsed = self._parsers[event.index].finish()
+            parsed = self._parsers[event.index].finish(cut=event.reason == "length")
             return [*self._events(event.index, parsed, None), event]
         return [event]
 

@@ -28,6 +28,7 @@ import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from furnace_trio.loading.tokenizer import Tokenizer
+from furnace_trio.tools.schema_bounds import ANY_VALUE_DEFS, bounded_schema, bounded_subschema
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +51,19 @@ class GrammarConstraint:
     that sequence rather than failing the request: logged, never silent.
     """
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+    def __init__(
+        self,
+        tokenizer: llguidance.LLTokenizer,
+        grammar: str,
+        *,
+        end_on_repeat: tuple[str, str] | None = None,
+    ) -> None:
         self._template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if self._template.is_error():
             raise GrammarError(self._template.get_error())
+        self._tokenizer = tokenizer
         self._vocab = tokenizer.vocab_size
+        self._end_on_repeat = end_on_repeat
         self._matchers: dict[int, llguidance.LLMatcher] = {}
         self._consumed: dict[int, int] = {}
         self._lifted: set[int] = set()
@@ -79,7 +88,34 @@ class GrammarConstraint:
         self._consumed[seq_id] = len(output_token_ids)
         mask = allocate_token_bitmask(1, self._vocab)
         fill_next_token_bitmask(matcher, mask)
+        if (
+            self._end_on_repeat is not None
+            and output_token_ids
+            and matcher.is_accepting()
+            and _last_block_repeats(
+                self._tokenizer.decode_str(list(output_token_ids)), *self._end_on_repeat
+            )
+        ):
+            mask[0] &= _eos_mask(self._tokenizer.eos_tokens, mask.shape[1])
         return mask[0]
+
+
+def _last_block_repeats(text: str, start: str, end: str) -> bool:
+    """Whether ``text`` ends in a ``start ... end`` block (whitespace after it aside) whose
+    body equals an earlier block's."""
+    text = text.rstrip()
+    if not text.endswith(end):
+        return False
+    bodies = [part.split(end, 1)[0] for part in text.split(start)[1:]]
+    return len(bodies) > 1 and bodies[-1] in bodies[:-1]
+
+
+def _eos_mask(eos: Sequence[int], words: int) -> np.ndarray:
+    """A bitmask row allowing only the end-of-sequence tokens."""
+    row = np.zeros(words, dtype=np.uint32)
+    for token in eos:
+        row[token // 32] |= np.uint32(1 << (token % 32))
+    return row.view(np.int32)
 
 
 class GrammarCompiler:
@@ -105,10 +141,10 @@ class GrammarCompiler:
             return self._ll
 
     def json_schema(self, schema: Mapping[str, Any] | None) -> GrammarConstraint:
-        """Any JSON object (``schema is None``), or one valid against ``schema``."""
-        target = dict(schema) if schema is not None else {"type": "object"}
+        """Any JSON object (``schema is None``), or one valid against ``schema``; numbers
+        the schema leaves unbounded are bounded (see :mod:`~furnace_trio.tools.schema_bounds`)."""
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            target, defaults={"whitespace_flexible": False}
+            bounded_schema(schema), defaults={"whitespace_flexible": False}
         )
         return GrammarConstraint(self._ll_tokenizer(), grammar)
 
@@ -127,7 +163,7 @@ class GrammarCompiler:
                 "type": "object",
                 "properties": {
                     "name": {"const": name},
-                    "arguments": dict(schema) if schema else {"type": "object"},
+                    "arguments": bounded_subschema(schema or None),
                 },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
@@ -135,8 +171,15 @@ class GrammarCompiler:
             for name, schema in tools.items()
         ]
         call_schema = options[0] if len(options) == 1 else {"anyOf": options}
-        call_schema = {**call_schema, "x-guidance": _COMPACT}
+        call_schema = {**call_schema, "x-guidance": _COMPACT, "$defs": ANY_VALUE_DEFS}
         body = f'"<tool_call>\\n" %json {json.dumps(call_schema)} "\\n</tool_call>"'
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        # Generation may end after any complete call, a trailing newline included; a
+        # call that repeats an earlier one of the same output ends it (see
+        # GrammarConstraint: a small model otherwise repeats its call until max_tokens).
+        start = 'start: call ("\\n" call)* "\\n"?' if parallel else 'start: call "\\n"?'
         lark = f"{start}\ncall: {body}\n"
-        return GrammarConstraint(self._ll_tokenizer(), llguidance.LLMatcher.grammar_from_lark(lark))
+        return GrammarConstraint(
+            self._ll_tokenizer(),
+            llguidance.LLMatcher.grammar_from_lark(lark),
+            end_on_repeat=("<tool_call>", "</tool_call>") if parallel else None,
+        )

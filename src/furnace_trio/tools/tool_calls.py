@@ -21,6 +21,8 @@ Invariants, and why:
   content and is published as such.
 - Arguments are checked against the tool's JSON schema; a mismatch is reported, and the
   call still stands (the client, which owns the tool, decides what to do with it).
+- A call that repeats an earlier one of the output (same name, same arguments) is dropped:
+  a client would run the tool twice for one intent.
 - Whitespace between or after calls is dropped; other text after a call is content,
   reported once as ``trailing_text``.
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -70,6 +73,7 @@ class FallbackReason(enum.StrEnum):
     MISSING_END_MARKER = "missing_end_marker"  # complete JSON, no closing tag: call kept
     TRAILING_TEXT = "trailing_text"  # content after a call: kept as content
     EXTRA_CALL = "extra_call"  # a second call with parallel_tool_calls false: dropped
+    DUPLICATE_CALL = "duplicate_call"  # the same name and arguments as an earlier call: dropped
 
 
 def new_tool_call_id() -> str:
@@ -217,8 +221,12 @@ class ToolCallParser:
             pass
         return out
 
-    def finish(self) -> list[ParserEvent]:
-        """The output ended: resolve whatever is held back. Call once."""
+    def finish(self, *, cut: bool = False) -> list[ParserEvent]:
+        """The output ended: resolve whatever is held back. Call once.
+
+        ``cut``: the token limit ended it. A call it cut inside markup is then returned as
+        far as it got (its name and the argument text so far), as OpenAI does with
+        ``finish_reason: "length"``; otherwise such a call is dropped."""
         if self._finished:
             raise ValueError("finish() called twice")
         out: list[ParserEvent] = []
@@ -227,7 +235,7 @@ class ToolCallParser:
         self._finished = True
         buf, self._buf = self._buf, ""
         if self._mode is _Mode.BODY:
-            self._finish_body(buf, out)
+            self._finish_body(buf, out, cut=cut)
         elif buf and self._mode is _Mode.TEXT:
             if self.calls and self.format is ToolCallFormat.LLAMA3:
                 buf = buf.strip().strip(";")
@@ -327,8 +335,9 @@ class ToolCallParser:
         self._handle_body(body, out, recovered=False)
         return True
 
-    def _finish_body(self, buf: str, out: list[ParserEvent]) -> None:
-        """The output ended inside a call: keep it only if its JSON is complete."""
+    def _finish_body(self, buf: str, out: list[ParserEvent], *, cut: bool) -> None:
+        """The output ended inside a call: keep it if its JSON is complete, or as a
+        partial call when the token limit cut it (``cut``)."""
         self._mode = _Mode.TEXT
         text = buf
         if self._scan is None:
@@ -340,8 +349,19 @@ class ToolCallParser:
             if self._bare:
                 out.append(ToolCallFallback(FallbackReason.TRUNCATED, "bare JSON kept as content"))
                 self._content(buf, out)
-            else:
+                return
+            partial = _partial_call(text) if cut else None
+            if partial is None or (self.tools and partial[0] not in self.tools):
                 out.append(ToolCallFallback(FallbackReason.TRUNCATED, buf[:80]))
+                return
+            if self.calls and not self.parallel:
+                out.append(ToolCallFallback(FallbackReason.EXTRA_CALL, partial[0]))
+                return
+            out.append(
+                ToolCallFallback(FallbackReason.TRUNCATED, f"partial call {partial[0]} kept")
+            )
+            self.calls.append(ToolCall(self.id_factory(), *partial))
+            out.append(ToolCallParsed(len(self.calls) - 1, self.calls[-1]))
             return
         self._handle_body(text, out, recovered=not self._bare)
 
@@ -371,10 +391,14 @@ class ToolCallParser:
             if self.calls and not self.parallel:
                 out.append(ToolCallFallback(FallbackReason.EXTRA_CALL, name))
                 continue
+            serialised = json.dumps(arguments, ensure_ascii=False)
+            if any(c.name == name and c.arguments == serialised for c in self.calls):
+                out.append(ToolCallFallback(FallbackReason.DUPLICATE_CALL, name))
+                continue
             problem = self._schema_problem(name, arguments)
             if problem is not None:
                 out.append(ToolCallFallback(FallbackReason.SCHEMA_MISMATCH, f"{name}: {problem}"))
-            call = ToolCall(self.id_factory(), name, json.dumps(arguments, ensure_ascii=False))
+            call = ToolCall(self.id_factory(), name, serialised)
             self.calls.append(call)
             self._after_call = True
             out.append(ToolCallParsed(len(self.calls) - 1, call))
@@ -400,6 +424,22 @@ class ToolCallParser:
         if error is None:
             return None
         return error.message
+
+
+_PARTIAL_HEAD = re.compile(r'\s*\[?\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(,\s*)?')
+_PARTIAL_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+
+
+def _partial_call(text: str) -> tuple[str, str] | None:
+    """``(name, argument text so far)`` of a call object cut short, when its name is
+    complete and comes first (the order every supported format writes)."""
+    head = _PARTIAL_HEAD.match(text)
+    if head is None:
+        return None
+    name = json.loads(head.group(1))
+    rest = text[head.end() :]
+    arguments = _PARTIAL_ARGUMENTS.match(rest)
+    return name, rest[arguments.end() :].rstrip() if arguments else ""
 
 
 def _as_call(item: object) -> tuple[str, dict[str, Any]] | None:
