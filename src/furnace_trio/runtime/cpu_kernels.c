@@ -457,6 +457,14 @@ void furnace_q8_rows(const float *x, int64_t M, int64_t K, int8_t *a, float *s, 
     }
 }
 
+/* Zeroes R rows of integer accumulators. */
+static ALWAYS_INLINE void acc_zero(vi acc[][PV], const int R) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < PV; v++) acc[r][v] = vi_zero();
+}
+
 /* R rows from m0 (R a compile-time constant: 1 .. Q4_ROWS) against one panel w of 4-bit
  * (bits = 4) or 8-bit (bits = 8) codes, both compile-time constants after inlining. */
 static ALWAYS_INLINE void qx_panel_rows(const int bits, const int8_t *a, const float *s,
@@ -471,10 +479,7 @@ static ALWAYS_INLINE void qx_panel_rows(const int bits, const int8_t *a, const f
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *block = w + g * block_bytes;
         vi acc[Q4_ROWS][PV];
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-            for (int v = 0; v < PV; v++) acc[r][v] = vi_zero();
+        acc_zero(acc, R);
 #pragma GCC unroll 1
         for (int j = 0; j < Q4_GROUP / 4; j++) {
             const uint8_t *c = block + j * quad_bytes;
@@ -573,6 +578,8 @@ void furnace_qx_linear(int bits, const float *x, int64_t M, int64_t K, const uin
     furnace_q8_rows(x, M, K, a, s, sum);
     furnace_qx_linear_q8(bits, a, s, sum, M, K, wp, bias, N, y);
 }
+
+#include "cpu_kquants.c"
 
 /* Decode attention over a paged KV cache: one query token per sequence.
  * q: [S, H, D]; k_cache, v_cache: [blocks, block_size, KV, D]; tables: [S, max_blocks];
@@ -970,8 +977,8 @@ void furnace_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out) {
 /* ---- A whole decode step through every layer in one call. ---- */
 
 /* Per layer, LAYER_PTRS addresses, in this order. Each linear layer has four: its format
- * (LINEAR_W8, LINEAR_Q4 or LINEAR_Q8, a number, not an address), its packed weight, its scales (int8;
- * 0 for 4- and 8-bit groups, whose scales are packed with the weight) and its bias (or 0).
+ * (a LINEAR_*, a number, not an address), its packed weight, its scales (int8; 0 for the
+ * block formats, whose scales are packed with the weight) and its bias (or 0).
  * Then the two norms' weights, the key and value caches, and their scales (int8 caches; 0
  * for float ones). */
 enum {
@@ -979,26 +986,37 @@ enum {
     P_IN_NORM = P_DOWN + 4, P_POST_NORM, P_K_CACHE, P_V_CACHE, P_K_SCALE, P_V_SCALE,
     LAYER_PTRS
 };
-enum { LINEAR_W8 = 0, LINEAR_Q4 = 1, LINEAR_Q8 = 2 };
+enum {
+    LINEAR_W8 = 0, LINEAR_Q4 = 1, LINEAR_Q8 = 2,
+    /* GGUF's blocks (furnace_kq_pack): */
+    LINEAR_Q4_0 = 3, LINEAR_Q5_0 = 4, LINEAR_Q4_K = 5, LINEAR_Q5_K = 6, LINEAR_Q6_K = 7
+};
 
 int furnace_layer_ptrs(void) { return LAYER_PTRS; }
 
 #define PTR(type, i) ((type)(intptr_t)p[i])
 
 /* The linear layer whose four table entries start at p[i]: y = x W^T (+ b). qs: scratch
- * for quantized activations (Q4_1 and Q8_0 layers), M * K floats (more than they need). */
-static void table_linear(const int64_t *p, int i, const float *x, int64_t M, int64_t K,
-                         int64_t N, float *y, float *qs) {
+ * for quantized activations (the block formats), M * K floats (more than they need).
+ * Returns 0, or -1 when out of memory. */
+static int table_linear(const int64_t *p, int i, const float *x, int64_t M, int64_t K,
+                        int64_t N, float *y, float *qs) {
+    static const int ggml_type[] = {[LINEAR_Q4_0] = GG_Q4_0, [LINEAR_Q5_0] = GG_Q5_0,
+                                    [LINEAR_Q4_K] = GG_Q4_K, [LINEAR_Q5_K] = GG_Q5_K,
+                                    [LINEAR_Q6_K] = GG_Q6_K};
+    const uint8_t *w = PTR(const uint8_t *, i + 1);
+    const float *bias = PTR(const float *, i + 3);
     if (p[i] == LINEAR_Q4 || p[i] == LINEAR_Q8)
-        furnace_qx_linear(p[i] == LINEAR_Q4 ? 4 : 8, x, M, K, PTR(const uint8_t *, i + 1),
-                          PTR(const float *, i + 3), N, y, qs);
+        furnace_qx_linear(p[i] == LINEAR_Q4 ? 4 : 8, x, M, K, w, bias, N, y, qs);
+    else if (p[i] >= LINEAR_Q4_0 && p[i] <= LINEAR_Q6_K)
+        return furnace_kq_linear(ggml_type[p[i]], x, M, K, w, bias, N, y, qs);
     else
-        furnace_w8_linear(x, M, K, PTR(const int8_t *, i + 1), PTR(const float *, i + 2),
-                          PTR(const float *, i + 3), N, y);
+        furnace_w8_linear(x, M, K, (const int8_t *)w, PTR(const float *, i + 2), bias, N, y);
+    return 0;
 }
 
 /* Every layer of a step whose S sequences each bring one token (no prefill), with the
- * int8 or 4-bit linear layers above: the same arithmetic as the per-op path, minus the Python and
+ * linear layers above (any LINEAR_*): the same arithmetic as the per-op path, minus the Python and
  * dispatch cost between ops. x: [S, hidden] embeddings in, the residual stream after the
  * last layer out (before the final norm). cos/sin/slots/tables/ctx/kv_kind as for the
  * per-op kernels; scratch: at least S * (2 hidden + (H + 2 KV) D + (H + KV) D + H D + 3 I
@@ -1022,18 +1040,18 @@ int furnace_decode_layers(int64_t L, const int64_t *ptrs, int64_t S, int64_t hid
         const int64_t *p = ptrs + l * LAYER_PTRS;
         furnace_add_rmsnorm(x, l == 0 ? NULL : h, S, hidden, PTR(const float *, P_IN_NORM), eps,
                             normed);
-        table_linear(p, P_QKV, normed, S, hidden, width, qkv, qs);
+        if (table_linear(p, P_QKV, normed, S, hidden, width, qkv, qs)) return -1;
         void *kc = PTR(void *, P_K_CACHE), *vc = PTR(void *, P_V_CACHE);
         float *ks = PTR(float *, P_K_SCALE), *vs = PTR(float *, P_V_SCALE);
         furnace_rope_store(qkv, S, H, KV, D, cos_t, sin_t, slots, kc, vc, ks, vs, q, k, kv_kind);
         if (furnace_paged_decode_attention(q, kc, vc, ks, vs, tables, max_blocks, ctx, S, H, KV,
                                            D, block_size, scale, att, kv_kind))
             return -1;
-        table_linear(p, P_O, att, S, H * D, hidden, h, qs);
+        if (table_linear(p, P_O, att, S, H * D, hidden, h, qs)) return -1;
         furnace_add_rmsnorm(x, h, S, hidden, PTR(const float *, P_POST_NORM), eps, normed);
-        table_linear(p, P_GU, normed, S, hidden, 2 * I, gu, qs);
+        if (table_linear(p, P_GU, normed, S, hidden, 2 * I, gu, qs)) return -1;
         furnace_silu_mul(gu, S, I, act);
-        table_linear(p, P_DOWN, act, S, I, hidden, h, qs);
+        if (table_linear(p, P_DOWN, act, S, I, hidden, h, qs)) return -1;
     }
     for (int64_t i = 0; i < S * hidden; i++) x[i] += h[i];
     return 0;

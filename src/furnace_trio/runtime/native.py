@@ -27,17 +27,25 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# What SOURCE includes (part of the build key).
+INCLUDES = (Path(__file__).with_name("cpu_kquants.c"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 # A linear layer's format in the decode_layers table (enum in cpu_kernels.c).
 LINEAR_W8 = 0
 LINEAR_Q4 = 1
 LINEAR_Q8 = 2
+LINEAR_Q4_0 = 3
+LINEAR_Q5_0 = 4
+LINEAR_Q4_K = 5
+LINEAR_Q5_K = 6
+LINEAR_Q6_K = 7
 
 _lock = threading.Lock()
 _loaded: dict[str, Kernels | None] = {}
@@ -88,6 +96,18 @@ class Kernels:
         self._f16_to_f32 = lib.furnace_f16_to_f32
         self._f16_to_f32.argtypes = [_P, _I, _P]
         self._decode_layers.restype = ctypes.c_int
+        self._kq_linear = lib.furnace_kq_linear
+        self._kq_linear.argtypes = [ctypes.c_int, _P, _I, _I, _P, _P, _I, _P, _P]
+        self._kq_linear.restype = ctypes.c_int
+        self._kq_scratch = lib.furnace_kq_scratch
+        self._kq_scratch.argtypes = [ctypes.c_int, _I, _I]
+        self._kq_scratch.restype = _I
+        self._kq_pack = lib.furnace_kq_pack
+        self._kq_pack.argtypes = [ctypes.c_int, _P, _I, _I, _P]
+        self._kq_pack.restype = ctypes.c_int
+        self._kq_packed_size = lib.furnace_kq_packed_size
+        self._kq_packed_size.argtypes = [ctypes.c_int, _I, _I]
+        self._kq_packed_size.restype = _I
 
     def pack_w8(self, q: torch.Tensor) -> torch.Tensor:
         """``[N, K]`` int8 -> the kernel's panels ``[ceil(N / P), K, P]`` (outputs k-major
@@ -169,17 +189,46 @@ class Kernels:
         m, k = x.shape
         # The kernel's scratch: a scale and a sum per row and group, then M * K int8 codes.
         scratch = torch.empty(2 * m * (k // self.q4_group) + -(-m * k // 4), dtype=torch.float32)
-        self._qx_linear(
-            bits,
-            x.data_ptr(),
-            m,
-            k,
-            packed.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            out.shape[1],
-            out.data_ptr(),
-            scratch.data_ptr(),
-        )
+        self._qx_linear(bits, *_linear_args(x, packed, bias, out, scratch))
+
+    def kq_packed_size(self, ggml_type: int, n: int, k: int) -> int:
+        """Bytes of :meth:`pack_blocks`' result; 0 where the panels do not take ``ggml_type``
+        or ``k`` is not a whole number of its blocks."""
+        return int(self._kq_packed_size(ggml_type, n, k))
+
+    def pack_blocks(self, ggml_type: int, blocks: np.ndarray, n: int, k: int) -> torch.Tensor:
+        """A GGUF tensor's bytes (``n`` rows of ``k`` weights in ggml's blocks of
+        ``ggml_type``: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K) -> the kernels' panels,
+        uint8, the file's values exactly (``furnace_kq_pack`` in ``cpu_kquants.c``): Q4_1
+        and Q8_0 as :meth:`pack_q4` and :meth:`pack_q8` lay them out, the others for
+        :meth:`kq_linear`. Reads ``blocks`` (any C-contiguous uint8 array, a read-only
+        memory map included) and keeps no reference to it."""
+        size = self.kq_packed_size(ggml_type, n, k)
+        if size == 0:
+            raise ValueError(f"no panels for GGML type {ggml_type} with in_features {k}")
+        if blocks.dtype != np.uint8 or not blocks.flags.c_contiguous:
+            raise ValueError("blocks must be a C-contiguous uint8 array")
+        out = torch.empty(size, dtype=torch.uint8)
+        src = blocks.ctypes.data_as(ctypes.c_void_p)
+        if self._kq_pack(ggml_type, src, n, k, out.data_ptr()):
+            raise ValueError(f"furnace_kq_pack refused GGML type {ggml_type}")
+        return out
+
+    def kq_linear(
+        self,
+        ggml_type: int,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
+        """``out = x @ W.T (+ bias)`` for ``packed`` from :meth:`pack_blocks` (Q4_0, Q5_0,
+        Q4_K, Q5_K or Q6_K); ``x`` ``[M, K]`` float32 contiguous, ``out`` ``[M, N]``."""
+        m, k = x.shape
+        scratch = torch.empty(-(-int(self._kq_scratch(ggml_type, m, k)) // 4), dtype=torch.float32)
+        failed = self._kq_linear(ggml_type, *_linear_args(x, packed, bias, out, scratch))
+        if failed:
+            raise MemoryError(f"native linear (GGML type {ggml_type}): out of memory")
 
     def w8_linear(
         self,
@@ -342,7 +391,7 @@ class Kernels:
             scratch.data_ptr(),
         )
         if failed:
-            raise MemoryError("native decode attention: out of memory for its partial results")
+            raise MemoryError("native decode step: out of memory for its partial results")
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x.argmax(dim=-1)`` for ``x`` ``[M, N]`` float32 contiguous (first maximum; a NaN
@@ -362,6 +411,28 @@ class Kernels:
         out = torch.empty(x.shape, dtype=torch.float32)
         self._f16_to_f32(x.data_ptr(), x.numel(), out.data_ptr())
         return out
+
+
+def _linear_args(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    scratch: torch.Tensor,
+) -> tuple[int | None, ...]:
+    """x, M, K, weight, bias, N, y, scratch: the block-format linears' common arguments."""
+    m, k = x.shape
+    b = None if bias is None else bias.data_ptr()
+    return (
+        x.data_ptr(),
+        m,
+        k,
+        packed.data_ptr(),
+        b,
+        out.shape[1],
+        out.data_ptr(),
+        scratch.data_ptr(),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -491,7 +562,7 @@ def load(extra_flags: tuple[str, ...] = ()) -> Kernels | None:
     if compiler is None:
         logger.warning("native kernels: no C compiler (set CC); using torch kernels")
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (SOURCE, *INCLUDES))
     flags = (*FLAGS, *extra_flags)
     parts = [compiler, _compiler_version(compiler), " ".join(flags), _cpu_identity()]
     key = hashlib.blake2b(

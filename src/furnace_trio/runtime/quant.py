@@ -158,10 +158,10 @@ class NativeLinear(nn.Module):
     table_kind = -1
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.Kernels
+        self, shape: tuple[int, int], bias: torch.Tensor | None, kernels: native.Kernels
     ) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = shape
         self.bias: torch.Tensor | None = (
             None if bias is None else bias.detach().float().contiguous()
         )
@@ -206,7 +206,7 @@ class _GroupedLinear(NativeLinear):
         kernels: native.Kernels,
         codes: tuple[torch.Tensor, ...] | None = None,
     ) -> None:
-        super().__init__(weight, bias, kernels)
+        super().__init__((weight.shape[0], weight.shape[1]), bias, kernels)
         codes = self.quantize(weight) if codes is None else codes
         self.packed = kernels.pack_q4(*codes) if self.bits == 4 else kernels.pack_q8(*codes)
 
@@ -250,7 +250,7 @@ class NativeInt8Linear(NativeLinear):
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.Kernels
     ) -> None:
-        super().__init__(weight, bias, kernels)
+        super().__init__((weight.shape[0], weight.shape[1]), bias, kernels)
         q, scale = quantize_weight(weight)
         self.packed = kernels.pack_w8(q)
         self.scale = scale.float().contiguous()
@@ -357,13 +357,17 @@ def quantize_linears(
     ``lm_head`` (4 bits cost its logits too much), which gets Q8_0. ``never``: int8
     everywhere. Without ``kernels``: the fbgemm :class:`Int8Linear` everywhere.
 
-    Returns how many were replaced of each kind (``{"q4": .., "q8": .., "int8": ..}``). Float weights
+    Returns how many linears there are of each kind (``{"q4": .., "q8": .., "int8": ..}``,
+    and a :class:`NativeLinear`'s ``counts_as`` for those the loader built already, such as
+    ``"q4_k"``: :func:`furnace_trio.runtime.blocks.linear_from_blocks`). Float weights
     are dropped as their module is replaced (a tied ``lm_head`` keeps the embedding table
     alive, which the embedding lookup needs).
     """
     counts = {"q4": 0, "q8": 0, "int8": 0}
     for name, child in list(module.named_children()):
-        if isinstance(child, linear_type):
+        if isinstance(child, NativeLinear):
+            counts[child.counts_as] = counts.get(child.counts_as, 0) + 1
+        elif isinstance(child, linear_type):
             weight = child.weight
             bias = getattr(child, "bias", None)
             if not isinstance(weight, torch.Tensor):
@@ -374,5 +378,5 @@ def quantize_linears(
             setattr(module, name, layer)
         else:
             for kind, n in quantize_linears(child, linear_type, kernels, four_bit).items():
-                counts[kind] += n
+                counts[kind] = counts.get(kind, 0) + n
     return counts

@@ -129,10 +129,11 @@ class ModelRunner:
             if counts["q4"]:
                 self.quantization = "q4"
             logger.info(
-                "runner: linear layers quantized: %d 4-bit (Q4_1), %d Q8_0, %d int8 (%s)",
-                counts["q4"],
-                counts["q8"],
-                counts["int8"],
+                "runner: linear layers quantized: %d 4-bit (Q4_1), %d Q8_0, %d int8%s (%s)",
+                counts.pop("q4"),
+                counts.pop("q8"),
+                counts.pop("int8"),
+                "".join(f", {n} {kind.upper()}" for kind, n in counts.items()),
                 "fbgemm" if kernels is None else "native",
             )
         if self.dtype == torch.float32:

@@ -1,0 +1,582 @@
+/* Linear layers on GGUF's own quantized blocks: Q4_0 and Q5_0 (groups of 32) and the
+ * K-quants Q4_K, Q5_K and Q6_K (super-blocks of 256), and the repacking of a GGUF tensor's
+ * bytes (those five, Q4_1 and Q8_0) into the kernels' panels. Included by cpu_kernels.c,
+ * after the Q4_1 / Q8_0 kernels, whose vector helpers, panels (PW outputs, PV vectors of
+ * VW lanes) and activation rounding (furnace_q8_rows) it uses.
+ *
+ * Weights: the file's values exactly. A block's codes are unpacked to one unsigned code
+ * per weight (0 .. 2^bits - 1) and laid out like Q4_1's panels; the scales, minimums and
+ * float16 factors are copied, the 6-bit K-quant scales widened to a byte each.
+ *   Q4_0: w = d (q - 8)      Q5_0: w = d (q - 16)     (d per output and 32 k)
+ *   Q4_K, Q5_K: w = d sc[j] q - dmin m[j]              (sc, m: 6 bits per 32 k; d, dmin per 256)
+ *   Q6_K: w = d sc[j] (q - 32)                         (sc: signed 8 bits per 16 k; d per 256)
+ *
+ * Activations: Q4_0 and Q5_0 take Q4_1's (int8 per row and 32 k, scale max|x| / 127, the
+ * exact float sum of the 32 x for the offset term). The K-quants take llama.cpp's Q8_K
+ * arrangement: one scale per row and 256 k (max|x| / 127, codes -127..127) and the integer
+ * sums of the codes per 16 and per 32 k. One activation scale per super-block lets the
+ * 6- or 8-bit weight scales enter the integer sum: the int16 pair sums of vpmaddubsw are
+ * multiplied by the scale in vpmaddwd (which the plain dot product spends multiplying by
+ * one), so a super-block costs the instructions of Q4_1's groups plus one float update per
+ * row and output. The minimums (Q4_K, Q5_K) and the offset 32 (Q6_K) are integer sums of
+ * the per-16/32 code sums times the per-output coefficients, also per super-block.
+ *
+ * Bounds (no int16 saturation, no int32 overflow): a pair sum is at most 2 * 63 * 127 =
+ * 16002; times a scale (|sc| <= 128) and summed over a super-block: 256 * 63 * 127 * 128
+ * < 2^31.
+ *
+ * Batch invariance as the other grouped kernels: a row's codes and sums come from that row
+ * alone, integer sums are exact, and each (row, output) total is updated once per block in
+ * block order, whatever the number of rows.
+ *
+ * Loop order: per panel, block by block, all row blocks of a block before the next (its
+ * weights read from memory once, then from L1: with many rows the kernel is bound by
+ * arithmetic, not by memory), with the totals of every row in a per-thread buffer. */
+
+/* ggml's type numbers (gguf.GGMLQuantizationType). */
+enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14 };
+#define QK 256
+
+/* Integer helpers: vi_u8 / vi_i8 widen VW bytes to int32 lanes; vs_dup copies a lane's low
+ * int16 to its high one (a multiplier for vi_dot4s); vi_dot4s adds sc * (each lane's 4 byte
+ * products); vi_pair adds c0 * b0 + c1 * b1 per lane (c within int16, b0, b1 too); vb_field
+ * moves bits lo .. lo + width - 1 of every byte to bit 4 (the rest zero). */
+#if VW == 16
+static inline vb vb_or(vb a, vb b) { return _mm512_or_si512(a, b); }
+static inline vb vb_field(vb p, const int lo, const int width) {
+    const vb s = lo <= 4 ? _mm512_slli_epi16(p, 4 - lo) : _mm512_srli_epi16(p, lo - 4);
+    return _mm512_and_si512(s, _mm512_set1_epi8((char)(((1 << width) - 1) << 4)));
+}
+static inline vi vi_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi vi_i8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi vi_low16(vi a) { return _mm512_and_si512(a, _mm512_set1_epi32(0xffff)); }
+static inline vi vs_dup(vi a) { return _mm512_or_si512(vi_low16(a), _mm512_slli_epi32(a, 16)); }
+static inline vi vi_dot4s(vi acc, vb w, vb x, vi sc) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), sc));
+}
+static inline vi vi_pair(vi acc, vi c0, vi c1, int32_t b0, int32_t b1) {
+    const vi c = _mm512_or_si512(vi_low16(c0), _mm512_slli_epi32(c1, 16));
+    const vi b = _mm512_set1_epi32((int32_t)(((uint32_t)b0 & 0xffffu) | ((uint32_t)b1 << 16)));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(c, b));
+}
+static inline vi vi_sub_shl5(vi a, vi b) { return _mm512_sub_epi32(a, _mm512_slli_epi32(b, 5)); }
+#elif VW == 8
+static inline vb vb_or(vb a, vb b) { return _mm256_or_si256(a, b); }
+static inline vb vb_field(vb p, const int lo, const int width) {
+    const vb s = lo <= 4 ? _mm256_slli_epi16(p, 4 - lo) : _mm256_srli_epi16(p, lo - 4);
+    return _mm256_and_si256(s, _mm256_set1_epi8((char)(((1 << width) - 1) << 4)));
+}
+static inline vi vi_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vi vi_i8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vi vi_low16(vi a) { return _mm256_and_si256(a, _mm256_set1_epi32(0xffff)); }
+static inline vi vs_dup(vi a) { return _mm256_or_si256(vi_low16(a), _mm256_slli_epi32(a, 16)); }
+static inline vi vi_dot4s(vi acc, vb w, vb x, vi sc) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), sc));
+}
+static inline vi vi_pair(vi acc, vi c0, vi c1, int32_t b0, int32_t b1) {
+    const vi c = _mm256_or_si256(vi_low16(c0), _mm256_slli_epi32(c1, 16));
+    const vi b = _mm256_set1_epi32((int32_t)(((uint32_t)b0 & 0xffffu) | ((uint32_t)b1 << 16)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(c, b));
+}
+static inline vi vi_sub_shl5(vi a, vi b) { return _mm256_sub_epi32(a, _mm256_slli_epi32(b, 5)); }
+#else
+static inline vb vb_or(vb a, vb b) { return a | b; }
+/* (bits shifted in from a neighbouring byte land outside the mask: lo <= 7, width <= 2) */
+static inline vb vb_field(vb p, const int lo, const int width) {
+    const vb s = lo <= 4 ? p << (4 - lo) : p >> (lo - 4);
+    return s & (0x01010101u * (uint32_t)(((1 << width) - 1) << 4));
+}
+static inline vi vi_u8(const uint8_t *p) { return *p; }
+static inline vi vi_i8(const uint8_t *p) { return (int8_t)*p; }
+static inline vi vs_dup(vi a) { return a; }
+static inline vi vi_dot4s(vi acc, vb w, vb x, vi sc) { return acc + sc * vi_dot4(0, w, x); }
+static inline vi vi_pair(vi acc, vi c0, vi c1, int32_t b0, int32_t b1) { return acc + c0 * b0 + c1 * b1; }
+static inline vi vi_sub_shl5(vi a, vi b) { return a - b * 32; }
+#endif
+
+/* Per row and super-block of 256 k: the activation scale and the code sums per 16 and 32. */
+typedef struct {
+    float s;
+    int16_t b16[QK / 16];
+    int16_t b32[QK / 32];
+} q8k_sums;
+
+/* x [M, K] (K a multiple of 256) -> codes a [M, K] and sums [M, K / 256]. */
+void furnace_q8k_rows(const float *x, int64_t M, int64_t K, int8_t *a, q8k_sums *sums) {
+    const int64_t n = M * (K / QK);
+#pragma omp parallel for schedule(static) if (M * K >= 8 * PARALLEL_ELEMENTS)
+    for (int64_t i = 0; i < n; i++) {
+        const float *xg = x + i * QK;
+        int8_t *ag = a + i * QK;
+        q8k_sums *o = sums + i;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) {
+            const float v = fabsf(xg[j]);
+            amax = v > amax ? v : amax;
+        }
+        o->s = amax / 127.0f;
+        const float inv = amax == 0.0f ? 0.0f : 127.0f / amax;
+        for (int j = 0; j < QK; j++) ag[j] = (int8_t)nearbyintf(xg[j] * inv);
+        for (int g = 0; g < QK / 16; g++) {
+            int total = 0;
+            for (int j = 0; j < 16; j++) total += ag[16 * g + j];
+            o->b16[g] = (int16_t)total;
+        }
+        for (int g = 0; g < QK / 32; g++) o->b32[g] = (int16_t)(o->b16[2 * g] + o->b16[2 * g + 1]);
+    }
+}
+
+/* ---- Panel layouts, per panel of PW outputs and block (32 or 256 k) ----
+ *
+ * Codes, quad by quad (4 consecutive k): the low 4 bits as in Q4_1's panels (PV / 2
+ * vectors of 4 VW bytes, byte 4 i + t of vector h: output h VW + i at k 4 j + t in the low
+ * nibble, output (h + PV / 2) VW + i in the high one); higher bits in one more vector of
+ * 4 VW bytes (PW bytes) at the same byte positions, bit b of a byte for code vector v:
+ *   4-bit:  [quad: 2 PW]
+ *   5-bit:  [quad pair: 2 PW, 2 PW, fifth bits PW (bit 4 (j % 2) + v)]
+ *   6-bit:  [quad: 2 PW, bits 4-5 PW (bits 2 v, 2 v + 1)]
+ * Then, per type, after the codes:
+ *   Q4_0, Q5_0:  d[PW] (float16)
+ *   Q4_K, Q5_K:  sc[8][PW], m[8][PW] (bytes), d[PW], dmin[PW] (float16)
+ *   Q6_K:        sc[16][PW] (signed bytes), d[PW] (float16)
+ * Bytes per weight: Q4_0 4.5 bits, Q5_0 5.5, Q4_K 4.625, Q5_K 5.625, Q6_K 6.5625. */
+static ALWAYS_INLINE int kq_block_k(const int type) {
+    return type == GG_Q4_K || type == GG_Q5_K || type == GG_Q6_K ? QK : Q4_GROUP;
+}
+static ALWAYS_INLINE int64_t kq_code_bytes(const int type) {
+    switch (type) {
+    case GG_Q4_0: return 16 * PW;
+    case GG_Q5_0: return 20 * PW;
+    case GG_Q4_K: return 128 * PW;
+    case GG_Q5_K: return 160 * PW;
+    default: return 192 * PW; /* GG_Q6_K */
+    }
+}
+static ALWAYS_INLINE int64_t kq_block_bytes(const int type) {
+    switch (type) {
+    case GG_Q4_0: case GG_Q5_0: return kq_code_bytes(type) + 2 * PW;
+    case GG_Q4_K: case GG_Q5_K: return kq_code_bytes(type) + 20 * PW;
+    default: return kq_code_bytes(type) + 18 * PW; /* GG_Q6_K */
+    }
+}
+/* Bits above the low four: 0, 1 or 2. */
+static ALWAYS_INLINE int kq_extra(const int type) {
+    return type == GG_Q5_0 || type == GG_Q5_K ? 1 : type == GG_Q6_K ? 2 : 0;
+}
+
+/* The codes of quad j of a block: PV vectors of unsigned bytes. */
+static ALWAYS_INLINE void kq_codes(const int extra, const uint8_t *c, const int j, vb wv[PV]) {
+    const uint8_t *nib = c + j * 2 * PW, *plane = NULL;
+    if (extra == 1) {
+        nib = c + (j / 2) * 5 * PW + (j % 2) * 2 * PW;
+        plane = c + (j / 2) * 5 * PW + 4 * PW;
+    } else if (extra == 2) {
+        nib = c + j * 3 * PW;
+        plane = nib + 2 * PW;
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < PV / 2; h++) {
+        const vb raw = vb_load(nib + h * 4 * VW);
+        wv[h] = vb_low(raw);
+        wv[h + PV / 2] = vb_high(raw);
+    }
+    if (extra) {
+        const vb bits = vb_load(plane);
+#pragma GCC unroll 4
+        for (int v = 0; v < PV; v++)
+            wv[v] = vb_or(wv[v], vb_field(bits, extra == 1 ? 4 * (j % 2) + v : 2 * v, extra));
+    }
+}
+
+/* One K-quant super-block against R rows from row 0 of a (codes, row stride K) and sums
+ * (row stride groups), into tot (row stride PW). scv: the block's scales for vi_dot4s,
+ * [sub-block][PV]; coef: the minimums (Q4_K, Q5_K: [4 pairs][2][PV]) or the scales
+ * (Q6_K: [8 pairs][2][PV]) as int32 lanes, for the sums' corrections. */
+static ALWAYS_INLINE void kq_super_rows(const int type, const int R, const uint8_t *blk,
+                                        const vi *scv, const vi *coef, const int8_t *a,
+                                        int64_t K, const q8k_sums *sums, int64_t groups,
+                                        float *tot) {
+    const int extra = kq_extra(type);
+    const int quads = type == GG_Q6_K ? 4 : 8; /* per sub-block */
+    vi acc[Q4_ROWS][PV];
+    acc_zero(acc, R);
+#pragma GCC unroll 1
+    for (int u = 0; u < QK / (4 * quads); u++) {
+#pragma GCC unroll 2
+        for (int jj = 0; jj < quads; jj++) {
+            const int j = u * quads + jj;
+#if VW > 1
+            _mm_prefetch((const char *)blk + j * (kq_code_bytes(type) / 64) + W8_PREFETCH_BYTES,
+                         _MM_HINT_T0);
+#endif
+            vb wv[PV];
+            kq_codes(extra, blk, j, wv);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                const vb xb = vb_set4(a + r * K + 4 * j);
+#pragma GCC unroll 4
+                for (int v = 0; v < PV; v++)
+                    acc[r][v] = vi_dot4s(acc[r][v], wv[v], xb, scv[u * PV + v]);
+            }
+        }
+    }
+    const uint16_t *dh = (const uint16_t *)(blk + kq_code_bytes(type) + 16 * PW);
+#pragma GCC unroll 4
+    for (int v = 0; v < PV; v++) {
+        const vf d = v_loadh(dh + v * VW);
+        const vf dmin = type == GG_Q6_K ? d : v_loadh(dh + PW + v * VW);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const q8k_sums *q = sums + r * groups;
+            float *t = tot + r * PW + v * VW;
+            vi corr = vi_zero();
+            vf total = v_load(t);
+            if (type == GG_Q6_K) {
+#pragma GCC unroll 8
+                for (int p = 0; p < 8; p++)
+                    corr = vi_pair(corr, coef[(2 * p) * PV + v], coef[(2 * p + 1) * PV + v],
+                                   q->b16[2 * p], q->b16[2 * p + 1]);
+                const vi isum = vi_sub_shl5(acc[r][v], corr);
+                total = v_fma(vi_float(isum), v_mul(d, v_set1(q->s)), total);
+            } else {
+#pragma GCC unroll 4
+                for (int p = 0; p < 4; p++)
+                    corr = vi_pair(corr, coef[(2 * p) * PV + v], coef[(2 * p + 1) * PV + v],
+                                   q->b32[2 * p], q->b32[2 * p + 1]);
+                total = v_fma(vi_float(acc[r][v]), v_mul(d, v_set1(q->s)), total);
+                total = v_fma(vi_float(corr), v_mul(dmin, v_set1(-q->s)), total);
+            }
+            v_store(t, total);
+        }
+    }
+}
+
+/* One group of 32 (Q4_0, Q5_0) against R rows: a as above, s and sum (row stride groups)
+ * from furnace_q8_rows, into tot. */
+static ALWAYS_INLINE void kq_group_rows(const int type, const int R, const uint8_t *blk,
+                                        const int8_t *a, int64_t K, const float *s,
+                                        const float *sum, int64_t groups, float *tot) {
+    const int extra = kq_extra(type);
+    vi acc[Q4_ROWS][PV];
+    acc_zero(acc, R);
+#pragma GCC unroll 2
+    for (int j = 0; j < Q4_GROUP / 4; j++) {
+#if VW > 1
+        if ((j & 1) == 0)
+            _mm_prefetch((const char *)blk + j * 64 + W8_PREFETCH_BYTES, _MM_HINT_T0);
+#endif
+        vb wv[PV];
+        kq_codes(extra, blk, j, wv);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const vb xb = vb_set4(a + r * K + 4 * j);
+#pragma GCC unroll 4
+            for (int v = 0; v < PV; v++) acc[r][v] = vi_dot4(acc[r][v], wv[v], xb);
+        }
+    }
+    const uint16_t *dh = (const uint16_t *)(blk + kq_code_bytes(type));
+    const float offset = type == GG_Q4_0 ? -8.0f : -16.0f;
+#pragma GCC unroll 4
+    for (int v = 0; v < PV; v++) {
+        const vf d = v_loadh(dh + v * VW);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            float *t = tot + r * PW + v * VW;
+            const vf f = v_mul(vi_float(acc[r][v]), v_set1(s[r * groups]));
+            vf total = v_fma(f, d, v_load(t));
+            total = v_fma(d, v_set1(offset * sum[r * groups]), total);
+            v_store(t, total);
+        }
+    }
+}
+
+/* The scales of a K-quant block widened once for all its row blocks (see kq_super_rows). */
+static ALWAYS_INLINE void kq_block_scales(const int type, const uint8_t *blk, vi *scv, vi *coef) {
+    const uint8_t *sc = blk + kq_code_bytes(type);
+    const int subs = type == GG_Q6_K ? 16 : 8;
+    for (int u = 0; u < subs; u++)
+        for (int v = 0; v < PV; v++) {
+            const vi c = type == GG_Q6_K ? vi_i8(sc + u * PW + v * VW) : vi_u8(sc + u * PW + v * VW);
+            scv[u * PV + v] = vs_dup(c);
+            /* Q6_K corrects with its scales, Q4_K and Q5_K with their minimums. */
+            coef[u * PV + v] = type == GG_Q6_K ? c : vi_u8(sc + (8 + u) * PW + v * VW);
+        }
+}
+
+/* Every row against one panel w of type `type` (a compile-time constant after inlining). */
+static ALWAYS_INLINE void kq_panel(const int type, const int8_t *a, const void *act, int64_t M,
+                                   int64_t K, const uint8_t *w, float *tot) {
+    const int64_t groups = K / kq_block_k(type), bytes = kq_block_bytes(type);
+    vi scv[16 * PV], coef[16 * PV];
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk = w + g * bytes;
+        if (kq_block_k(type) == QK) kq_block_scales(type, blk, scv, coef);
+        for (int64_t m0 = 0; m0 < M; m0 += Q4_ROWS) {
+            const int8_t *am = a + m0 * K + g * kq_block_k(type);
+            float *tm = tot + m0 * PW;
+            const q8k_sums *q = (const q8k_sums *)act + m0 * groups + g;
+            const float *s = (const float *)act + m0 * groups + g, *sum = s + M * groups;
+            switch (M - m0 < Q4_ROWS ? M - m0 : Q4_ROWS) {
+#define KQ_CASE(R)                                                                     \
+    case R:                                                                            \
+        if (kq_block_k(type) == QK)                                                    \
+            kq_super_rows(type, R, blk, scv, coef, am, K, q, groups, tm);              \
+        else                                                                           \
+            kq_group_rows(type, R, blk, am, K, s, sum, groups, tm);                    \
+        break;
+                KQ_CASE(1)
+                KQ_CASE(2)
+#if Q4_ROWS > 2
+                KQ_CASE(3)
+                KQ_CASE(4)
+#endif
+#undef KQ_CASE
+            }
+        }
+    }
+}
+
+/* Scratch bytes furnace_kq_linear needs for M rows of K. */
+int64_t furnace_kq_scratch(int type, int64_t M, int64_t K) {
+    const int64_t sums = kq_block_k(type) == QK ? M * (K / QK) * (int64_t)sizeof(q8k_sums)
+                                                : 2 * M * (K / Q4_GROUP) * (int64_t)sizeof(float);
+    return sums + M * K;
+}
+
+/* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for w in type's panels (furnace_kq_pack),
+ * x [M, K] float32 (K a multiple of the type's block), y [M, N]; scratch: at least
+ * furnace_kq_scratch bytes, float-aligned (the rounded activations). Returns 0, or -1
+ * for a type without a kernel or when out of memory. */
+int furnace_kq_linear(int type, const float *x, int64_t M, int64_t K, const uint8_t *wp,
+                      const float *bias, int64_t N, float *y, void *scratch) {
+    if (type != GG_Q4_0 && type != GG_Q5_0 && type != GG_Q4_K && type != GG_Q5_K && type != GG_Q6_K)
+        return -1;
+    const int64_t bk = kq_block_k(type), groups = K / bk;
+    const int64_t sum_bytes = furnace_kq_scratch(type, M, K) - M * K;
+    int8_t *a = (int8_t *)scratch + sum_bytes;
+    if (bk == QK) {
+        furnace_q8k_rows(x, M, K, a, (q8k_sums *)scratch);
+    } else {
+        float *s = (float *)scratch;
+        furnace_q8_rows(x, M, K, a, s, s + M * groups);
+    }
+    const int64_t panels = (N + PW - 1) / PW, panel_bytes = groups * kq_block_bytes(type);
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *tot = (float *)malloc(sizeof(float) * M * PW);
+        if (!tot) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            if (!tot) continue;
+            memset(tot, 0, sizeof(float) * M * PW);
+            const uint8_t *w = wp + p * panel_bytes;
+            switch (type) {
+            case GG_Q4_0: kq_panel(GG_Q4_0, a, scratch, M, K, w, tot); break;
+            case GG_Q5_0: kq_panel(GG_Q5_0, a, scratch, M, K, w, tot); break;
+            case GG_Q4_K: kq_panel(GG_Q4_K, a, scratch, M, K, w, tot); break;
+            case GG_Q5_K: kq_panel(GG_Q5_K, a, scratch, M, K, w, tot); break;
+            default: kq_panel(GG_Q6_K, a, scratch, M, K, w, tot); break;
+            }
+            for (int64_t m = 0; m < M; m++)
+                for (int v = 0; v < PV; v++)
+                    w8_store(v_load(tot + m * PW + v * VW), p * PW + v * VW, N, NULL, bias, y + m * N);
+        }
+        free(tot);
+    }
+    return failed ? -1 : 0;
+}
+
+/* ---- Repacking a GGUF tensor's blocks into the panels ---- */
+
+/* One ggml block, unpacked: unsigned codes (Q8_0's as their bytes), per-sub-block scales
+ * and minimums, and the float16 factors as stored. */
+typedef struct {
+    uint8_t q[QK];
+    uint8_t sc[16], mn[8];
+    uint16_t d, dmin;
+} kq_unpacked;
+
+static int64_t kq_type_bytes(int type) {
+    switch (type) {
+    case GG_Q4_0: return 18;
+    case GG_Q4_1: return 20;
+    case GG_Q5_0: return 22;
+    case GG_Q8_0: return 34;
+    case GG_Q4_K: return 144;
+    case GG_Q5_K: return 176;
+    case GG_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static uint16_t kq_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* Q4_K's and Q5_K's twelve bytes of 6-bit scales and minimums. */
+static void kq_scales_6bit(const uint8_t *s, kq_unpacked *o) {
+    for (int j = 0; j < 4; j++) {
+        o->sc[j] = s[j] & 63;
+        o->mn[j] = s[j + 4] & 63;
+        o->sc[j + 4] = (uint8_t)((s[j + 8] & 15) | ((s[j] >> 6) << 4));
+        o->mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+static void kq_unpack(int type, const uint8_t *b, kq_unpacked *o) {
+    switch (type) {
+    case GG_Q4_0: case GG_Q4_1: {
+        const uint8_t *qs = b + (type == GG_Q4_0 ? 2 : 4);
+        o->d = kq_u16(b);
+        o->dmin = type == GG_Q4_1 ? kq_u16(b + 2) : 0;
+        for (int l = 0; l < 16; l++) o->q[l] = qs[l] & 15, o->q[l + 16] = qs[l] >> 4;
+        break;
+    }
+    case GG_Q5_0: {
+        const uint32_t qh = (uint32_t)b[2] | ((uint32_t)b[3] << 8) | ((uint32_t)b[4] << 16) | ((uint32_t)b[5] << 24);
+        o->d = kq_u16(b);
+        for (int l = 0; l < 16; l++) {
+            o->q[l] = (uint8_t)((b[6 + l] & 15) | (((qh >> l) & 1) << 4));
+            o->q[l + 16] = (uint8_t)((b[6 + l] >> 4) | (((qh >> (l + 16)) & 1) << 4));
+        }
+        break;
+    }
+    case GG_Q8_0:
+        o->d = kq_u16(b);
+        memcpy(o->q, b + 2, 32);
+        break;
+    case GG_Q4_K: case GG_Q5_K: {
+        const int five = type == GG_Q5_K;
+        const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
+        o->d = kq_u16(b);
+        o->dmin = kq_u16(b + 2);
+        kq_scales_6bit(b + 4, o);
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 32; l++) {
+                const uint8_t byte = qs[32 * c + l];
+                o->q[64 * c + l] = (uint8_t)((byte & 15) | (five ? ((qh[l] >> (2 * c)) & 1) << 4 : 0));
+                o->q[64 * c + 32 + l] = (uint8_t)((byte >> 4) | (five ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0));
+            }
+        break;
+    }
+    default: { /* GG_Q6_K */
+        const uint8_t *ql = b, *qh = b + 128;
+        for (int e = 0; e < QK; e++) {
+            const int half = e / 128, r = e % 128;
+            const int low = (ql[half * 64 + r % 64] >> (4 * (r / 64))) & 15;
+            const int high = (qh[half * 32 + r % 32] >> (2 * (r / 32))) & 3;
+            o->q[e] = (uint8_t)(low | (high << 4));
+        }
+        memcpy(o->sc, b + 192, 16);
+        o->d = kq_u16(b + 208);
+        break;
+    }
+    }
+}
+
+/* Bytes per panel and block of the packed layout: the types above, Q4_1 and Q8_0. */
+static int64_t kq_packed_bytes(int type) {
+    switch (type) {
+    case GG_Q4_1: return Q4_BLOCK;
+    case GG_Q8_0: return Q8_BLOCK;
+    case GG_Q4_0: return kq_block_bytes(GG_Q4_0);
+    case GG_Q5_0: return kq_block_bytes(GG_Q5_0);
+    case GG_Q4_K: return kq_block_bytes(GG_Q4_K);
+    case GG_Q5_K: return kq_block_bytes(GG_Q5_K);
+    case GG_Q6_K: return kq_block_bytes(GG_Q6_K);
+    default: return 0;
+    }
+}
+
+/* Bytes of the packed weight for N outputs of K inputs (0: no such type, or K not a whole
+ * number of its blocks). */
+int64_t furnace_kq_packed_size(int type, int64_t N, int64_t K) {
+    const int64_t bk = type == GG_Q4_K || type == GG_Q5_K || type == GG_Q6_K ? QK : Q4_GROUP;
+    if (kq_packed_bytes(type) == 0 || K <= 0 || K % bk) return 0;
+    return (N + PW - 1) / PW * (K / bk) * kq_packed_bytes(type);
+}
+
+static void kq_put_f16(uint8_t *dst, int64_t i, uint16_t h) {
+    dst[2 * i] = (uint8_t)h;
+    dst[2 * i + 1] = (uint8_t)(h >> 8);
+}
+
+/* Output i of a panel's block from its unpacked ggml block. */
+static void kq_place(int type, const kq_unpacked *u, int64_t i, uint8_t *dst) {
+    const int64_t v = i / VW, lane = i % VW;
+    const int bk = type == GG_Q4_K || type == GG_Q5_K || type == GG_Q6_K ? QK : Q4_GROUP;
+    for (int k = 0; k < bk; k++) {
+        const int j = k / 4, t = k % 4, q = u->q[k];
+        const int64_t at = 4 * lane + t;
+        if (type == GG_Q8_0) {
+            dst[j * 4 * PW + v * 4 * VW + at] = (uint8_t)q;
+            continue;
+        }
+        const int extra = type == GG_Q5_0 || type == GG_Q5_K ? 1 : type == GG_Q6_K ? 2 : 0;
+        uint8_t *nib = dst + j * 2 * PW, *plane = NULL;
+        int shift = 0;
+        if (extra == 1) {
+            nib = dst + (j / 2) * 5 * PW + (j % 2) * 2 * PW;
+            plane = dst + (j / 2) * 5 * PW + 4 * PW;
+            shift = 4 * (j % 2) + (int)v;
+        } else if (extra == 2) {
+            nib = dst + j * 3 * PW;
+            plane = nib + 2 * PW;
+            shift = 2 * (int)v;
+        }
+        nib[(v % (PV / 2)) * 4 * VW + at] |= (uint8_t)((q & 15) << (v >= PV / 2 ? 4 : 0));
+        if (plane) plane[at] |= (uint8_t)((q >> 4) << shift);
+    }
+    switch (type) {
+    case GG_Q4_1: /* d[PW], m[PW] after the codes */
+        kq_put_f16(dst + Q4_GROUP / 4 * Q4_QUAD_BYTES, i, u->d);
+        kq_put_f16(dst + Q4_GROUP / 4 * Q4_QUAD_BYTES + 2 * PW, i, u->dmin);
+        break;
+    case GG_Q8_0:
+        kq_put_f16(dst + Q4_GROUP / 4 * Q8_QUAD_BYTES, i, u->d);
+        break;
+    case GG_Q4_0: case GG_Q5_0:
+        kq_put_f16(dst + kq_code_bytes(type), i, u->d);
+        break;
+    case GG_Q4_K: case GG_Q5_K: {
+        uint8_t *sc = dst + kq_code_bytes(type);
+        for (int j = 0; j < 8; j++) sc[j * PW + i] = u->sc[j], sc[(8 + j) * PW + i] = u->mn[j];
+        kq_put_f16(sc + 16 * PW, i, u->d);
+        kq_put_f16(sc + 18 * PW, i, u->dmin);
+        break;
+    }
+    default: { /* GG_Q6_K */
+        uint8_t *sc = dst + kq_code_bytes(type);
+        for (int j = 0; j < 16; j++) sc[j * PW + i] = u->sc[j];
+        kq_put_f16(sc + 16 * PW, i, u->d);
+        break;
+    }
+    }
+}
+
+/* src: a GGUF tensor's bytes, N rows of K / block weights in ggml's blocks of `type`; dst:
+ * furnace_kq_packed_size bytes. Outputs past N (to a whole panel) are zero. Returns 0, or
+ * -1 for a type or K the panels do not take. */
+int furnace_kq_pack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst) {
+    const int64_t size = furnace_kq_packed_size(type, N, K);
+    if (size == 0) return -1;
+    const int64_t bk = type == GG_Q4_K || type == GG_Q5_K || type == GG_Q6_K ? QK : Q4_GROUP;
+    const int64_t blocks = K / bk, panels = (N + PW - 1) / PW, bytes = kq_packed_bytes(type);
+    const int64_t row_bytes = blocks * kq_type_bytes(type);
+    memset(dst, 0, (size_t)size);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        kq_unpacked u;
+        for (int64_t g = 0; g < blocks; g++) {
+            uint8_t *out = dst + (p * blocks + g) * bytes;
+            for (int64_t i = 0; i < PW && p * PW + i < N; i++) {
+                memset(&u, 0, sizeof u);
+                kq_unpack(type, src + (p * PW + i) * row_bytes + g * kq_type_bytes(type), &u);
+                kq_place(type, &u, i, out);
+            }
+        }
+    }
+    return 0;
+}
