@@ -149,6 +149,9 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.records[name].float()
 
+    def __contains__(self, name: object) -> bool:
+        return name in self.records  # Mapping's own would read the tensor
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.records)
 

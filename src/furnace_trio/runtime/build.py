@@ -125,7 +125,7 @@ class WeightBuilder:
         self._unused.discard(_HEAD)
         embedding = self._embedding
         if isinstance(embedding, BlockEmbedding):
-            return self._from_blocks("lm_head", embedding.blocks.numpy(), embedding.ggml_type, None)
+            return self._from_blocks("lm_head", embedding.raw_blocks(), embedding.ggml_type, None)
         if not isinstance(embedding, TableEmbedding):
             raise RuntimeError("WeightBuilder.head needs the embedding first")
         if self._mode == "none":
