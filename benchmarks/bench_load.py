@@ -13,6 +13,11 @@ default ``auto``) and prints:
 
 Run: ``python benchmarks/bench_load.py [MODEL] [--quant auto] [--kv-mb 1024]``. Use a fresh
 process per measurement (the peak is the process's).
+
+``--blocks-stand-in`` measures the loader alone, as if a native kernel took every quantized
+type: each ``linear_from_blocks`` call returns a module that keeps a copy of the blocks
+and computes nothing (the model cannot run; the load time and memory are the loader's,
+with no dequantize/quantize round trip).
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import numpy as np
+import torch
 from _common import machine
+from torch import nn
 
 from furnace_trio.loading.loader import load_model
-from furnace_trio.runtime import native
+from furnace_trio.runtime import build, native
 from furnace_trio.runtime.build import runtime_weight_bytes
 from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
 
@@ -41,13 +49,32 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+class _KeptBlocks(nn.Module):
+    """A stand-in for a native block layer: a copy of the blocks, no forward."""
+
+    counts_as = "kept blocks"
+
+    def __init__(self, blocks: np.ndarray) -> None:
+        super().__init__()
+        self.blocks = torch.from_numpy(np.array(blocks))
+
+
+def _stand_in(blocks: np.ndarray, *_: object) -> nn.Module:
+    return _KeptBlocks(blocks)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory")
     parser.add_argument("--quant", default="auto", help="FURNACE_QUANT (auto, none, int8, q4)")
     parser.add_argument("--kv-mb", type=int, default=1024, help="KV cache size (MiB)")
     parser.add_argument("--quiet", action="store_true", help="no load progress lines")
+    parser.add_argument(
+        "--blocks-stand-in", action="store_true", help="linear_from_blocks keeps every type"
+    )
     args = parser.parse_args()
+    if args.blocks_stand_in:
+        build.linear_from_blocks = _stand_in
     logging.basicConfig(
         level=logging.WARNING if args.quiet else logging.INFO,
         format="%(relativeCreated)8.0f ms %(name)s: %(message)s",
