@@ -214,12 +214,15 @@ def write_gguf(
     architecture: str | None = None,
     tokenizer_dir: Path | None = None,
     extra_tensors: dict[str, torch.Tensor] | None = None,
+    qtype: Any = None,
 ) -> Path:
-    """Write a float32 GGUF of a transformers state dict the way llama.cpp's converter does.
+    """Write a GGUF of a transformers state dict the way llama.cpp's converter does.
 
     Q/K weights and biases are permuted for the ``llama`` architecture (also Mistral's,
     which llama.cpp writes as ``llama``); Qwen2/Qwen3 are written as is. A tied
-    ``lm_head.weight`` is omitted. With ``tokenizer_dir``, its ``tokenizer.json`` vocabulary
+    ``lm_head.weight`` is omitted. Tensors are float32, or with ``qtype`` (a
+    ``gguf.GGMLQuantizationType``) every 2-D weight is stored in that type (``F16``, or
+    blocks ``gguf.quants.quantize`` writes), after the permutation, as llama.cpp does. With ``tokenizer_dir``, its ``tokenizer.json`` vocabulary
     and merges go into the ``tokenizer.ggml.*`` metadata (model ``gpt2``).
     """
     import gguf
@@ -263,7 +266,13 @@ def write_gguf(
         data = tensor.detach().float()
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             data = llama_cpp_permute(data, n_head if ".q_proj." in name else n_kv)
-        writer.add_tensor(gguf_name(name), data.numpy())
+        if qtype is None or data.dim() != 2:
+            writer.add_tensor(gguf_name(name), data.numpy())
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(gguf_name(name), data.numpy().astype("float16"))
+        else:
+            blocks = gguf.quants.quantize(data.numpy(), qtype)
+            writer.add_tensor(gguf_name(name), blocks, raw_dtype=qtype)
     for name, tensor in (extra_tensors or {}).items():
         writer.add_tensor(name, tensor.numpy())
     writer.write_header_to_file()
@@ -273,11 +282,13 @@ def write_gguf(
     return path
 
 
-def write_tiny_gguf(tmp_path: Path, arch: str, *, tied: bool) -> Path:
-    """A float32 GGUF of :func:`write_tiny_model`'s model (same weights, with tokenizer)."""
+def write_tiny_gguf(tmp_path: Path, arch: str, *, tied: bool, qtype: Any = None) -> Path:
+    """A GGUF of :func:`write_tiny_model`'s model (same weights, with tokenizer): float32,
+    or its 2-D weights in ``qtype`` (see :func:`write_gguf`)."""
     import transformers
 
     directory = write_tiny_model(tmp_path, arch, tied=tied)
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
-    path = tmp_path / f"{directory.name}.gguf"
-    return write_gguf(path, model.config, model.state_dict(), tokenizer_dir=directory)
+    suffix = "" if qtype is None else f".{qtype.name}"
+    path = tmp_path / f"{directory.name}{suffix}.gguf"
+    return write_gguf(path, model.config, model.state_dict(), tokenizer_dir=directory, qtype=qtype)

@@ -1,30 +1,31 @@
-"""Load a GGUF file: metadata -> :class:`ModelConfig`, tensors -> float32 under HF Llama names.
+"""Load a GGUF file: metadata -> :class:`ModelConfig`, tensors -> records under HF Llama names.
 
 The header is parsed by :mod:`furnace_trio.loading.gguf_file` (fast, torch-free, shared with the
-tokenizer); the ``gguf`` package supplies the format's constants and the dequantization
-kernels (``gguf.quants.dequantize``), so every quant type it knows is supported here.
+tokenizer); the tensors are not read here: each becomes a
+:class:`~furnace_trio.loading.tensors.TensorRecord` over the memory-mapped file, read (as
+its blocks, or dequantized by ``gguf.quants.dequantize``, so every quant type it knows is
+supported) when the runtime builds that weight.
 
 llama.cpp's converter permutes the rows of ``q_proj``/``k_proj`` (and their biases) for the
 ``llama`` architecture, to turn Hugging Face's "rotate half" RoPE layout into GGML's
-interleaved one; :func:`load_gguf` undoes that, so its output is interchangeable with
-:func:`furnace_trio.loading.hf_loader.load_hf_directory`. Qwen2/Qwen3 GGUFs are not permuted.
+interleaved one; the records of those tensors undo it on every read, so the weights are
+interchangeable with :func:`furnace_trio.loading.hf_loader.load_hf_directory`'s. Qwen2/Qwen3
+GGUFs are not permuted.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
-import torch
 
 from furnace_trio.loading.gguf_file import GGUFContents, GGUFTensorInfo, read_gguf
 from furnace_trio.loading.model_config import ModelConfig, RopeScaling, UnsupportedModelError
+from furnace_trio.loading.tensors import LazyWeights, MappedFile, TensorRecord, to_float
 
 __all__ = ["GGUFContents", "GGUFTensorInfo", "load_gguf", "read_gguf"]
 
@@ -57,76 +58,46 @@ _BLOCK_NAMES = {
 }
 
 
-def load_gguf(
-    path: str | Path, *, progress: bool = True
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Load a Llama-family GGUF as a config and float32 weights under Hugging Face names.
+def load_gguf(path: str | Path) -> tuple[ModelConfig, LazyWeights]:
+    """Load a Llama-family GGUF as a config and its weights under Hugging Face names.
 
-    Every tensor is dequantized (any type ``gguf.quants.dequantize`` supports) and renamed
-    as ``docs/architecture.md`` lists; Q/K permutation is undone for ``llama`` files. A
+    The weights are records over the memory-mapped file (nothing is read but the header
+    and ``rope_freqs``); looked up as a mapping, each is a float32 tensor (any type
+    ``gguf.quants.dequantize`` supports). Q/K permutation is undone for ``llama`` files. A
     ``rope_freqs.weight`` tensor (llama3 GGUFs) is turned into :class:`RopeScaling`, not
-    returned as a weight. ``progress`` logs at INFO about every tenth of the tensors.
-    Raises :class:`UnsupportedModelError` for other architectures or unknown tensors.
+    returned as a weight. Raises :class:`UnsupportedModelError` for other architectures or
+    unknown tensors.
     """
-    started = time.perf_counter()
     contents = read_gguf(path)
     by_name = {info.name: info for info in contents.tensors}
-    data = np.memmap(contents.path, dtype=np.uint8, mode="r")
-    config = _config_from_metadata(contents, by_name, data)
+    file = MappedFile(contents.path)
+    config = _config_from_metadata(contents, by_name, file)
     gguf_arch = str(contents.metadata["general.architecture"])
     permuted = gguf_arch in _PERMUTED_ARCHITECTURES
     heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
 
-    weights: dict[str, torch.Tensor] = {}
-    todo = [info for info in contents.tensors if info.name != "rope_freqs.weight"]
-    step = max(1, len(todo) // 10)
-    for done, info in enumerate(todo, start=1):
+    records: dict[str, TensorRecord] = {}
+    for info in contents.tensors:
+        if info.name == "rope_freqs.weight":
+            continue
         hf_name = _hf_name(info.name)
-        tensor = torch.from_numpy(_dequantize(data, info))
         projection = hf_name.rsplit(".", 2)[-2]
-        if permuted and projection in heads:
-            tensor = _unpermute(tensor, heads[projection])
-        weights[hf_name] = tensor
-        if progress and (done % step == 0 or done == len(todo)):
-            logger.info(
-                "%s: dequantized %d/%d tensors (%.1fs)",
-                contents.path.name,
-                done,
-                len(todo),
-                time.perf_counter() - started,
-            )
+        n_head = heads.get(projection) if permuted else None
+        records[hf_name] = TensorRecord(
+            hf_name, info.shape, info.qtype, file, info.offset, info.n_bytes, n_head
+        )
+    weights = LazyWeights(records)
     _check_complete(weights, config, contents.path)
     return config, weights
 
 
-def _dequantize(data: np.memmap, info: GGUFTensorInfo) -> np.ndarray:
+def _dequantize(data: np.ndarray | MappedFile, info: GGUFTensorInfo) -> np.ndarray:
     """Dequantize one tensor to a fresh, writable float32 array of ``info.shape``."""
-    raw = data[info.offset : info.offset + info.n_bytes]
-    qtype = info.qtype
-    if qtype == gguf.GGMLQuantizationType.F32:
-        return np.array(raw.view(np.float32).reshape(info.shape))
-    if qtype == gguf.GGMLQuantizationType.F16:
-        return raw.view(np.float16).astype(np.float32).reshape(info.shape)
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    rows = raw.reshape(-1, info.shape[-1] // block_size * type_size)
-    try:
-        values = gguf.quants.dequantize(rows, qtype)
-    except NotImplementedError:
-        raise UnsupportedModelError(
-            f"tensor {info.name}: quantization {qtype.name} cannot be dequantized"
-        ) from None
-    return np.ascontiguousarray(values, dtype=np.float32).reshape(info.shape)
-
-
-def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Invert llama.cpp's ``permute``: per head, interleaved RoPE pairs -> two halves.
-
-    The converter did ``w.reshape(n_head, 2, head_dim // 2, *rest).swapaxes(1, 2)``; this
-    reads rows as ``(n_head, head_dim // 2, 2)`` and swaps back. Works for biases (1-D) too.
-    """
-    rest = weight.shape[1:]
-    half = weight.shape[0] // n_head // 2
-    return weight.reshape(n_head, half, 2, *rest).transpose(1, 2).reshape(weight.shape).contiguous()
+    if isinstance(data, MappedFile):
+        raw = data.read(info.offset, info.n_bytes)
+    else:
+        raw = data[info.offset : info.offset + info.n_bytes]
+    return to_float(raw, info.qtype, info.shape, info.name)
 
 
 def _hf_name(name: str) -> str:
@@ -145,7 +116,7 @@ def _hf_name(name: str) -> str:
 
 
 def _config_from_metadata(
-    contents: GGUFContents, by_name: Mapping[str, GGUFTensorInfo], data: np.memmap
+    contents: GGUFContents, by_name: Mapping[str, GGUFTensorInfo], data: MappedFile
 ) -> ModelConfig:
     meta = contents.metadata
     gguf_arch = meta.get("general.architecture")
@@ -202,7 +173,7 @@ def _config_from_metadata(
 
 
 def _rope_scaling(
-    contents: GGUFContents, by_name: Mapping[str, GGUFTensorInfo], data: np.memmap
+    contents: GGUFContents, by_name: Mapping[str, GGUFTensorInfo], data: MappedFile
 ) -> RopeScaling | None:
     """Llama3 rope scaling from metadata, else recovered from a ``rope_freqs`` tensor.
 
@@ -262,7 +233,7 @@ def _llama3_divisors(freqs: np.ndarray, s: RopeScaling) -> np.ndarray:
     return np.where(wavelen < high_edge, 1.0, np.where(wavelen > low_edge, s.factor, middle))
 
 
-def _check_complete(weights: Mapping[str, torch.Tensor], config: ModelConfig, path: Path) -> None:
+def _check_complete(weights: Mapping[str, Any], config: ModelConfig, path: Path) -> None:
     """Every tensor the forward pass needs is present (fail at load, not mid-request)."""
     needed = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:

@@ -2,23 +2,30 @@
 
 Accepted: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and
 ``Qwen3ForCausalLM`` checkpoints, in one ``model.safetensors`` or sharded through
-``model.safetensors.index.json``. Weights come back as float32 under their own (already
-Hugging Face Llama) names; a tied checkpoint has no ``lm_head.weight``, like a GGUF without
-``output.weight``, so both loaders' outputs are interchangeable.
+``model.safetensors.index.json``. Weights come back as records over the memory-mapped
+files (:class:`~furnace_trio.loading.tensors.LazyWeights`, float32 when looked up) under
+their own (already Hugging Face Llama) names; a tied checkpoint has no ``lm_head.weight``,
+like a GGUF without ``output.weight``, so both loaders' outputs are interchangeable.
+
+The safetensors header (a little-endian u64 length, then JSON: name -> dtype, shape and
+byte range after the header) is read here; ``F32``, ``F16`` and ``BF16`` (and ``F64``) are
+GGML's float types byte for byte, so a record needs nothing else to read a tensor.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file
+import gguf
 
 from furnace_trio.loading.model_config import ModelConfig, RopeScaling, UnsupportedModelError
+from furnace_trio.loading.tensors import LazyWeights, MappedFile, TensorRecord
 
 __all__ = ["load_hf_directory"]
 
@@ -31,11 +38,17 @@ _CLASS_TYPES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+_DTYPES = {
+    "F32": gguf.GGMLQuantizationType.F32,
+    "F16": gguf.GGMLQuantizationType.F16,
+    "BF16": gguf.GGMLQuantizationType.BF16,
+    "F64": gguf.GGMLQuantizationType.F64,
+}
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
 
 
-def load_hf_directory(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_hf_directory(path: str | Path) -> tuple[ModelConfig, LazyWeights]:
     """Load ``config.json`` and the safetensors weights of a Hugging Face model directory.
 
     Raises :class:`FileNotFoundError` naming ``config.json`` or the safetensors file when
@@ -51,16 +64,44 @@ def load_hf_directory(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Te
     if not isinstance(raw, dict):
         raise UnsupportedModelError(f"{config_path}: not a JSON object")
     config = config_from_hf(raw)
-    weights: dict[str, torch.Tensor] = {}
+    records: dict[str, TensorRecord] = {}
     for file in _safetensors_files(directory):
-        for name, tensor in load_file(file).items():
-            weights[name] = tensor.to(torch.float32)
-        logger.info("%s: loaded %s (%d tensors so far)", directory.name, file.name, len(weights))
+        records.update(_safetensors_records(file))
     if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    elif "lm_head.weight" not in weights:
+        records.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in records:
         raise UnsupportedModelError(f"{directory}: untied embeddings but no lm_head.weight")
-    return config, weights
+    return config, LazyWeights(records)
+
+
+def _safetensors_records(path: Path) -> dict[str, TensorRecord]:
+    """One record per tensor of a safetensors file, from its header alone."""
+    file = MappedFile(path)
+    with path.open("rb") as raw:
+        head = raw.read(8)
+        if len(head) != 8:
+            raise UnsupportedModelError(f"{path}: not a safetensors file (truncated header)")
+        (size,) = struct.unpack("<Q", head)
+        if size > file.size - 8:
+            raise UnsupportedModelError(f"{path}: not a safetensors file (header size)")
+        header = json.loads(raw.read(size))
+    if not isinstance(header, dict):
+        raise UnsupportedModelError(f"{path}: safetensors header is not a JSON object")
+    records: dict[str, TensorRecord] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        ggml_type = _DTYPES.get(entry["dtype"])
+        if ggml_type is None:
+            raise UnsupportedModelError(
+                f"{path.name}: tensor {name} is {entry['dtype']}; supported: {', '.join(_DTYPES)}"
+            )
+        begin, end = entry["data_offsets"]
+        shape = tuple(int(d) for d in entry["shape"])
+        if end - begin != math.prod(shape) * gguf.GGML_QUANT_SIZES[ggml_type][1]:
+            raise UnsupportedModelError(f"{path.name}: tensor {name} has the wrong byte count")
+        records[name] = TensorRecord(name, shape, ggml_type, file, 8 + size + begin, end - begin)
+    return records
 
 
 def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:

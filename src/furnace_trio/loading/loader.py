@@ -2,8 +2,9 @@
 
 ``None`` means the embedded default (SmolLM2-135M-Instruct); a ``.gguf`` file goes through
 :mod:`furnace_trio.loading.gguf_loader`; a directory through :mod:`furnace_trio.loading.hf_loader`. Either
-way the weights are float32 under Hugging Face Llama names, so the runtime never needs to
-know where a model came from.
+way the weights are records over the memory-mapped file under Hugging Face Llama names
+(:class:`~furnace_trio.loading.tensors.LazyWeights`), read one at a time when the runtime
+builds the model, so the runtime never needs to know where a model came from.
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from furnace_trio.loading.default_model import DEFAULT_MODEL_NAME, default_model_path
 from furnace_trio.loading.gguf_loader import load_gguf, read_gguf
 from furnace_trio.loading.hf_loader import load_hf_directory
 from furnace_trio.loading.model_config import ModelConfig, UnsupportedModelError
+from furnace_trio.loading.tensors import LazyWeights
 
 if TYPE_CHECKING:
     from furnace_trio.loading.tokenizer import Tokenizer
@@ -31,16 +31,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
-    """A model ready to serve: its config, float32 weights, tokenizer and public name.
+    """A model ready to serve: its config, weights, tokenizer and public name.
 
     ``name`` is what ``/v1/models`` lists: :data:`DEFAULT_MODEL_NAME` for the embedded
     default, else the directory name or the GGUF file's stem. ``source`` is the resolved
-    path that was read. The weights dict is not copied; treat it as read-only.
+    path that was read. ``weights`` reads the file on demand (nothing is held in memory).
     """
 
     name: str
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: LazyWeights
     tokenizer: Tokenizer
     source: Path
 
@@ -82,10 +82,11 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
             f"{source}: expected a .gguf file or a Hugging Face model directory"
         )
     logger.info(
-        "loaded %s from %s in %.1fs (%d tensors)",
+        "opened %s from %s in %.1fs (%d tensors, %.0f MiB)",
         name,
         source,
         time.perf_counter() - started,
         len(weights),
+        weights.n_bytes / 2**20,
     )
     return LoadedModel(name, config, weights, tokenizer, source)

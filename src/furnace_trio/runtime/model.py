@@ -20,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,24 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from furnace_trio.loading.model_config import ModelConfig
 from furnace_trio.runtime import native
+from furnace_trio.runtime.embedding import Embedding
 from furnace_trio.runtime.quant import NativeLinear
+
+
+class WeightSource(Protocol):
+    """Where the model's modules take their weights, by Hugging Face name, each already in
+    its runtime form (:class:`~furnace_trio.runtime.build.WeightBuilder`): asked for in
+    model order, one at a time, so the source can convert each as it goes."""
+
+    def tensor(self, name: str) -> torch.Tensor: ...
+
+    def linear(self, kind: str, names: Sequence[str], biases: Sequence[str] = ()) -> nn.Module: ...
+
+    def embedding(self) -> Embedding: ...
+
+    def head(self, tied: bool) -> nn.Module: ...
+
+    def unused(self) -> list[str]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,7 +419,7 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) 
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, config: ModelConfig, weights: WeightSource, prefix: str) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -413,18 +431,15 @@ class Attention(nn.Module):
         # Transformer.use_native.
         self.kernels: native.Kernels | None = None
         names = [f"{prefix}.self_attn.{p}_proj" for p in ("q", "k", "v")]
-        qkv = torch.cat([weights.pop(f"{n}.weight") for n in names])
-        bias = None
-        if config.attention_bias:
-            bias = torch.cat([weights.pop(f"{n}.bias") for n in names])
-        self.qkv_proj = Linear(qkv, bias)
-        self.o_proj = Linear(weights.pop(f"{prefix}.self_attn.o_proj.weight"))
+        biases = [f"{n}.bias" for n in names] if config.attention_bias else []
+        self.qkv_proj = weights.linear("qkv_proj", [f"{n}.weight" for n in names], biases)
+        self.o_proj = weights.linear("o_proj", [f"{prefix}.self_attn.o_proj.weight"])
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
             eps = config.rms_norm_eps
-            self.q_norm = RMSNorm(weights.pop(f"{prefix}.self_attn.q_norm.weight"), eps)
-            self.k_norm = RMSNorm(weights.pop(f"{prefix}.self_attn.k_norm.weight"), eps)
+            self.q_norm = RMSNorm(weights.tensor(f"{prefix}.self_attn.q_norm.weight"), eps)
+            self.k_norm = RMSNorm(weights.tensor(f"{prefix}.self_attn.k_norm.weight"), eps)
 
     def forward(
         self,
@@ -586,13 +601,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, weights: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, config: ModelConfig, weights: WeightSource, prefix: str) -> None:
         super().__init__()
-        gate = weights.pop(f"{prefix}.mlp.gate_proj.weight")
-        up = weights.pop(f"{prefix}.mlp.up_proj.weight")
-        self.intermediate = gate.shape[0]
-        self.gate_up_proj = Linear(torch.cat([gate, up]))
-        self.down_proj = Linear(weights.pop(f"{prefix}.mlp.down_proj.weight"))
+        self.intermediate = config.intermediate_size
+        names = [f"{prefix}.mlp.gate_proj.weight", f"{prefix}.mlp.up_proj.weight"]
+        self.gate_up_proj = weights.linear("gate_up_proj", names)
+        self.down_proj = weights.linear("down_proj", [f"{prefix}.mlp.down_proj.weight"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -605,43 +619,40 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], i: int) -> None:
+    def __init__(self, config: ModelConfig, weights: WeightSource, i: int) -> None:
         super().__init__()
         prefix = f"model.layers.{i}"
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(weights.pop(f"{prefix}.input_layernorm.weight"), eps)
+        self.input_layernorm = RMSNorm(weights.tensor(f"{prefix}.input_layernorm.weight"), eps)
         self.self_attn = Attention(config, weights, prefix)
         self.post_attention_layernorm = RMSNorm(
-            weights.pop(f"{prefix}.post_attention_layernorm.weight"), eps
+            weights.tensor(f"{prefix}.post_attention_layernorm.weight"), eps
         )
-        self.mlp = MLP(weights, prefix)
+        self.mlp = MLP(config, weights, prefix)
 
 
 class Transformer(nn.Module):
     """A Llama-family decoder built from Hugging Face-named weights.
 
-    The constructor consumes ``weights`` (entries are popped, so peak memory stays near one
-    copy of the model); leftover names are an error, since they mean a weight was not used.
+    The constructor asks ``weights`` for every weight, one at a time, in their runtime form
+    (so a load holds the weights built so far plus one in conversion); names it never
+    asked for are an error, since they mean a weight was not used.
     """
 
     inv_freq: torch.Tensor
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config: ModelConfig, weights: WeightSource) -> None:
         super().__init__()
-        weights = dict(weights)
         self.config = config
-        self.embed_tokens = nn.Parameter(
-            weights.pop("model.embed_tokens.weight"), requires_grad=False
-        )
+        self.embed_tokens = weights.embedding()
+        # The head right after the embedding it may be made of, while little else is held.
+        head = weights.head(config.tie_word_embeddings)
         self.layers = nn.ModuleList(
             DecoderLayer(config, weights, i) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(weights.pop("model.norm.weight"), config.rms_norm_eps)
-        head = weights.pop("lm_head.weight", None)
-        if head is None or config.tie_word_embeddings:
-            head = self.embed_tokens.data
-        self.lm_head = Linear(head)
-        leftover = sorted(k for k in weights if "rotary_emb" not in k)
+        self.norm = RMSNorm(weights.tensor("model.norm.weight"), config.rms_norm_eps)
+        self.lm_head = head
+        leftover = weights.unused()
         if leftover:
             raise ValueError(f"unused weights: {', '.join(leftover[:5])}")
         device = self.embed_tokens.device
@@ -685,7 +696,7 @@ class Transformer(nn.Module):
             inputs = dataclasses.replace(
                 inputs, decode=DecodeBatch.build(inputs, cache.block_size, self.embed_tokens.dtype)
             )
-        on_cuda = self.embed_tokens.is_cuda
+        on_cuda = self.embed_tokens.device.type == "cuda"
         if inputs.prefill is None and on_cuda and len(inputs.prefill_rows) > 1:
             heads = self.config.num_heads * self.config.head_dim
             batch = PrefillBatch.build(inputs, cache.block_size, self.embed_tokens.dtype, heads)
@@ -694,7 +705,7 @@ class Transformer(nn.Module):
             inputs = dataclasses.replace(inputs, chunk_masks=self._chunk_masks(inputs))
         if kernels is not None:
             return self._forward_native(inputs, cache, kernels)
-        x = F.embedding(inputs.input_ids, self.embed_tokens)
+        x = self.embed_tokens(inputs.input_ids)
         cos, sin = self._rotary(inputs.positions, max(inputs.context_lens))
         cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
         attention = sdpa_kernel(CUDA_ATTENTION) if on_cuda else contextlib.nullcontext()
@@ -713,7 +724,7 @@ class Transformer(nn.Module):
         """:meth:`forward` with a layer's elementwise work fused into native calls: the
         residual add and the next norm are one call, as are the rotary embedding and the
         cache writes, and the SiLU gate."""
-        x = F.embedding(inputs.input_ids, self.embed_tokens)  # a fresh tensor: updated in place
+        x = self.embed_tokens(inputs.input_ids)  # a fresh tensor: updated in place
         cos, sin = self._rotary(inputs.positions, max(inputs.context_lens))
         layers = [cast(DecoderLayer, m) for m in self.layers]
         eps = self.config.rms_norm_eps
@@ -737,7 +748,7 @@ class Transformer(nn.Module):
         ptrs = self._decode_layer_ptrs(cache, kernels)
         if ptrs is None:
             return None
-        x = F.embedding(inputs.input_ids, self.embed_tokens)
+        x = self.embed_tokens(inputs.input_ids)
         cos, sin = self._rotary(inputs.positions, max(inputs.context_lens))
         c = self.config
         if self._decode_dims is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +21,10 @@ from furnace_trio.core.plan import ChunkPlan, SampledToken, SampleSpec, StepPlan
 from furnace_trio.loading.loader import LoadedModel
 from furnace_trio.loading.model_config import ModelConfig
 from furnace_trio.runtime import native
+from furnace_trio.runtime.build import WeightBuilder
 from furnace_trio.runtime.cuda_graphs import DecodeGraphs
-from furnace_trio.runtime.model import KVCache, Linear, StepInputs, Transformer
-from furnace_trio.runtime.quant import FourBit, quantize_linears, resolve_quantization
+from furnace_trio.runtime.model import KVCache, StepInputs, Transformer
+from furnace_trio.runtime.quant import resolve_quantization
 from furnace_trio.runtime.sampling import GeneratorStore, sample, token_logprobs
 
 logger = logging.getLogger(__name__)
@@ -102,13 +103,13 @@ class ModelRunner:
     """Runs steps of one model on one device; implements the ``StepRunner`` protocol."""
 
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], settings: RunnerConfig
+        self, config: ModelConfig, weights: Mapping[str, torch.Tensor], settings: RunnerConfig
     ) -> None:
+        """Build the model from ``weights`` (the loader's records, read and converted one
+        tensor at a time, or a mapping of float tensors) and allocate the KV cache."""
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self.config = config
-        weights = {k: v.to(device=self.device, dtype=self.dtype) for k, v in weights.items()}
-        self.model = Transformer(config, weights).eval()
         mode = resolve_quantization(settings.quantization, self.device)
         if mode != "none" and self.dtype != torch.float32:
             if settings.quantization != "auto":
@@ -117,23 +118,28 @@ class ModelRunner:
         use_native = settings.native and self.device.type == "cpu"
         kernels = native.load() if use_native else None
         self._kernels = kernels
+        if mode == "q4" and kernels is None:
+            logger.warning("runner: 4-bit weights need the native kernels; using int8")
+        builder = WeightBuilder(
+            weights, device=self.device, dtype=self.dtype, mode=mode, kernels=kernels
+        )
+        self.model = Transformer(config, builder).eval()
+        builder.finish()
         # What the linear layers run: none, int8, or q4 (some or all in 4-bit groups).
         self.quantization = "none" if mode == "none" else "int8"
         if mode != "none":
-            if mode == "q4" and kernels is None:
-                logger.warning("runner: 4-bit weights need the native kernels; using int8")
-            four_bit: FourBit = (
-                "always" if mode == "q4" else "lossless" if mode == "auto" else "never"
-            )
-            counts = quantize_linears(self.model, Linear, kernels, four_bit)
+            counts = dict(builder.counts)
             if counts["q4"]:
                 self.quantization = "q4"
+            others = "".join(
+                f", {n} {kind.upper()}" for kind, n in counts.items() if kind not in ("q4", "q8", "int8")
+            )
             logger.info(
                 "runner: linear layers quantized: %d 4-bit (Q4_1), %d Q8_0, %d int8%s (%s)",
-                counts.pop("q4"),
-                counts.pop("q8"),
-                counts.pop("int8"),
-                "".join(f", {n} {kind.upper()}" for kind, n in counts.items()),
+                counts["q4"],
+                counts["q8"],
+                counts["int8"],
+                others,
                 "fbgemm" if kernels is None else "native",
             )
         if self.dtype == torch.float32:
@@ -195,7 +201,7 @@ class ModelRunner:
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, settings: RunnerConfig) -> ModelRunner:
-        return cls(loaded.config, dict(loaded.weights), settings)
+        return cls(loaded.config, loaded.weights, settings)
 
     @property
     def block_size(self) -> int:
