@@ -253,7 +253,8 @@ def test_decode_layers_with_block_linears(tmp_path: Path) -> None:
     )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(hf).save_pretrained(tmp_path / "m")
-    config, weights = load_hf_directory(tmp_path / "m")
+    config, lazy = load_hf_directory(tmp_path / "m")
+    weights = {name: lazy[name] for name in lazy}
     rng = np.random.default_rng(11)
     modules: list[dict[str, BlockLinear]] = []
     for i, types in enumerate(LAYER_TYPES):

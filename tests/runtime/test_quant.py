@@ -23,6 +23,7 @@ from furnace_trio.runtime.quant import (
     QUANTIZATIONS,
     Int8Linear,
     NativeInt8Linear,
+    NativeLinear,
     NativeQ4Linear,
     NativeQ8Linear,
     dequantize_q4,
@@ -184,9 +185,15 @@ def test_auto_keeps_the_default_models_4_bit_weights(loaded: LoadedModel) -> Non
         loaded, RunnerConfig(device="cpu", kv_cache_bytes=16 << 20, quantization="auto")
     )
     assert runner.quantization == "q4"
-    kinds = {type(m).__name__ for name, m in runner.model.named_modules() if "layers." in name}
-    assert NativeQ4Linear.__name__ in kinds and NativeInt8Linear.__name__ not in kinds
-    assert isinstance(runner.model.lm_head, NativeQ8Linear)
+    linears = [
+        m
+        for name, m in runner.model.named_modules()
+        if "layers." in name and hasattr(m, "counts_as")
+    ]
+    assert linears and {m.counts_as for m in linears} == {"q4"}
+    assert not any(isinstance(m, NativeInt8Linear) for m in linears)
+    assert isinstance(runner.model.lm_head, NativeLinear)
+    assert runner.model.lm_head.counts_as == "q8"
     assert runner.cache.k.dtype == torch.float16
 
 

@@ -132,7 +132,9 @@ class ModelRunner:
             if counts["q4"]:
                 self.quantization = "q4"
             others = "".join(
-                f", {n} {kind.upper()}" for kind, n in counts.items() if kind not in ("q4", "q8", "int8")
+                f", {n} {kind.upper()}"
+                for kind, n in counts.items()
+                if kind not in ("q4", "q8", "int8")
             )
             logger.info(
                 "runner: linear layers quantized: %d 4-bit (Q4_1), %d Q8_0, %d int8%s (%s)",
