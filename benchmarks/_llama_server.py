@@ -10,7 +10,7 @@ The instruction sets are this CPU's (``/proc/cpuinfo``), named one by one rather
 ``-march=native``, so that AMX can be left out: on the sandbox these figures come from,
 ggml's AMX matmul crashed llama-server in its warm-up with an illegal instruction. AMX
 itself works there (a small tile program that asks Linux for the tile state first runs,
-and is 4x a VNNI loop; see docs/benchmarks.md, thirteenth session), so the crash is
+and is 4x a VNNI loop; see docs/history.md), so the crash is
 ggml's, and was not looked into. Neither furnace-trio's kernels nor this build use AMX;
 ``LLAMA_AMX=1`` builds llama.cpp with it.
 

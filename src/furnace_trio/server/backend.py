@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 #: the CPU, 32 rather than 16: with 32 concurrent streams of the default model, 16 left
 #: half of them queued behind whole generations (TTFT p50 1.06 s over HTTP against 0.14 s
 #: with 32, and 4 to 8% less throughput); the price is each stream's ITL, which doubles
-#: when 32 decode instead of 16 (docs/benchmarks.md, tenth session).
+#: when 32 decode instead of 16 (docs/history.md).
 DEFAULT_LIMITS = {"cpu": (32, 512), "cuda": (128, 4096)}
 
 #: KV memory when none is configured: 46,592 tokens with the default model on a CPU (its
