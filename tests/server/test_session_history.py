@@ -1,5 +1,6 @@
 """A session stores each reply as the client received it, and its next turn reuses the KV of
-everything before: the official SDK on a real socket, the real default model."""
+everything before: the official SDK on a real socket, the real default model (and a
+scripted one for a streamed call)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import openai
 
 from furnace_trio.runtime.runner import DEFAULT_BLOCK_SIZE
 
+from .. import scripted
+from ..http_server import MODEL_NAME, serve_scripted
 from ..real_model import NAME, serve_real
 from .test_app_tools import WEATHER as OPEN_WEATHER
+from .test_app_tools import script as tools_script
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 #: ``get_weather`` whose arguments admit no other property (so the forced call ends).
@@ -23,6 +27,7 @@ FORCE_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
 
 
 async def _session(url: str, session_id: str) -> dict[str, Any]:
+    """``GET /v1/sessions/{id}`` as the client with the test servers' key."""
     async with httpx.AsyncClient(headers={"Authorization": "Bearer unused"}) as http:
         response = await http.get(f"{url}/v1/sessions/{session_id}")
     assert response.status_code == 200, response.text
@@ -85,3 +90,37 @@ async def test_a_tool_call_turn_is_kept_as_sent_and_its_answer_reuses_the_cache(
         assert stored["messages"][2]["tool_call_id"] == sent.id
         reply = second.choices[0].message
         assert stored["messages"][3] == {"role": "assistant", "content": reply.content}
+
+
+async def test_a_streamed_tool_call_turn_is_kept_with_the_streamed_ids() -> None:
+    """Streamed, the reply is assembled from the chunks the client got: content, call ids."""
+    runner = scripted.ScriptedRunner(tools_script, num_blocks=2048, max_context=4096)
+    async with (
+        serve_scripted(runner) as served,
+        openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0) as c,
+    ):
+        stream = await c.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "weather?"}],
+            tools=[OPEN_WEATHER],
+            stream=True,
+            extra_body={"session_id": "streamed"},
+        )
+        chunks = [chunk async for chunk in stream]
+        deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+        calls = [call for d in deltas for call in d.tool_calls or []]
+        (call_id,) = [call.id for call in calls if call.id]
+        arguments = "".join(c.function.arguments or "" for c in calls if c.function)
+        stored = await _session(served.url, "streamed")
+    assert stored["messages"][1] == {
+        "role": "assistant",
+        "content": "".join(d.content or "" for d in deltas),
+        "tool_calls": [
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": arguments},
+            }
+        ],
+    }
+    assert stored["messages"][1]["content"] == "Let me check."
