@@ -47,6 +47,8 @@ async def collect(stream: RequestStream) -> Outcome:
                 out.finished[event.index] = event
             elif isinstance(event, Failed):
                 out.failed = event
+        # a session turn's consumer commits the reply it delivered (here: its text)
+        stream.commit_turn({"role": "assistant", "content": out.text.get(0, "")})
     return out
 
 

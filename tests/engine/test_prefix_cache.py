@@ -362,7 +362,7 @@ async def test_real_model_session_turn_matches_a_stateless_request() -> None:
         for message in (u1, u2):
             turn = engine.begin_turn("s", "", [message])
             try:
-                outs.append(await generate(engine, chat_ids(engine, turn.messages), turn))
+                outs.append(await generate(engine, chat_ids(engine, turn.prompt_messages), turn))
             finally:
                 engine.end_turn(turn)
         return outs

@@ -10,7 +10,13 @@ import trio
 
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.engine.engine import Admitted, Engine, EngineConfig, GenerationRequest
-from furnace_trio.engine.sessions import SessionBusy, SessionNotFound, SessionStore, turn_seed
+from furnace_trio.engine.sessions import (
+    SessionBusy,
+    SessionNotFound,
+    SessionReply,
+    SessionStore,
+    turn_seed,
+)
 
 from ..scripted import EOS, ScriptedRunner, encode
 from .harness import collect, serving
@@ -29,12 +35,13 @@ def commit(s: SessionStore, sid: str, blocks: Sequence[int], now: float = 0.0) -
     turn = s.begin_turn(sid, "me", [{"role": "user", "content": sid}], now)
     s.commit(
         turn,
-        {"role": "assistant", "content": "ok"},
+        SessionReply({"role": "assistant", "content": "ok"}, "ok"),
         token_ids=list(range(len(blocks) * 4)),
         blocks=blocks,
         output_token_ids=[1, 2],
         seed=None,
         now=now,
+        reply_exact=True,
     )
     s.end_turn(turn, now)
 
@@ -47,7 +54,7 @@ def test_store_turns_commit_or_leave_no_trace() -> None:
     assert session.blocks == (1, 2) and s.pinned_blocks == 2 and session.rng_state != 0
     before = (list(session.messages), session.token_ids, session.blocks, session.rng_state)
     turn = s.begin_turn("a", "me", [{"role": "user", "content": "more"}], 1.0)
-    assert [m["content"] for m in turn.messages] == ["a", "ok", "more"]
+    assert [m["content"] for m in turn.prompt_messages] == ["a", "ok", "more"]
     with pytest.raises(SessionBusy):
         s.begin_turn("a", "me", [], 1.0)
     with pytest.raises(SessionBusy):
@@ -91,9 +98,13 @@ def test_turn_seeds_continue_and_replay() -> None:
 # -- turns through the engine -----------------------------------------------------------------
 
 
-def render(messages: Sequence[Mapping[str, Any]]) -> tuple[int, ...]:
+def render_text(messages: Sequence[Mapping[str, Any]]) -> str:
     """A toy chat template: exact, so a turn's prompt extends the previous one."""
-    return encode("".join(f"<{m['role']}>{m['content']}</>" for m in messages) + "<assistant>")
+    return "".join(f"<{m['role']}>{m['content']}</>" for m in messages) + "<assistant>"
+
+
+def render(messages: Sequence[Mapping[str, Any]]) -> tuple[int, ...]:
+    return encode(render_text(messages))
 
 
 def reply_script(prompt: tuple[int, ...], index: int) -> list[int]:
@@ -105,7 +116,7 @@ async def run_turn(
 ) -> tuple[str, int]:
     turn = engine.begin_turn(sid, owner, [{"role": "user", "content": text}])
     stream = engine.submit(
-        GenerationRequest(render(turn.messages), SamplingParams(**params), turn=turn)
+        GenerationRequest(render(turn.prompt_messages), SamplingParams(**params), turn=turn)
     )
     out = await collect(stream)
     assert out.failed is None
@@ -147,7 +158,9 @@ async def test_cancelled_turn_leaves_the_session_unchanged() -> None:
         pinned = engine.sessions.pinned_blocks
         turn = engine.begin_turn("s", "", [{"role": "user", "content": "and?"}])
         stream = engine.submit(
-            GenerationRequest(render(turn.messages), SamplingParams(max_tokens=60), turn=turn)
+            GenerationRequest(
+                render(turn.prompt_messages), SamplingParams(max_tokens=60), turn=turn
+            )
         )
         with pytest.raises(SessionBusy):
             engine.begin_turn("s", "", [{"role": "user", "content": "concurrent"}])
@@ -199,3 +212,44 @@ async def test_memory_pressure_unpins_sessions_and_their_next_turn_recomputes() 
         assert engine.sessions.kv_evictions == 1
         second, _ = await run_turn(engine, "s", "again", max_tokens=20)
         assert second.startswith("reply") and len(engine.get_session("s", "").messages) == 4
+
+
+async def test_a_turn_keeps_the_reply_as_delivered_and_the_tokens_as_generated() -> None:
+    """The consumer commits the reply the client got; the session renders what the model
+    wrote, and its next prompt starts with the turn's own tokens, unless a stop string cut
+    the text short of them."""
+    generated = '<tool_call>{"name":"f"}</tool_call>'
+    sent = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        ],
+    }
+    runner = ScriptedRunner(lambda p, i: [*encode(generated), EOS], block_size=4)
+    async with serving(runner) as engine:
+        turn = engine.begin_turn("s", "", [{"role": "user", "content": "go"}])
+        text = render_text(turn.prompt_messages)
+        prompt = turn.encode_prompt(text, encode)
+        stream = engine.submit(GenerationRequest(prompt, SamplingParams(max_tokens=60), turn=turn))
+        async with stream:
+            assert not stream.commit_turn(sent)  # not finished yet
+            async for _event in stream:
+                pass
+            assert stream.commit_turn(sent)
+            assert not stream.commit_turn(sent)  # once
+        session = engine.get_session("s", "")
+        assert session.messages[-1] == sent
+        assert session.prompt_messages[-1] == {"role": "assistant", "content": generated}
+        assert session.history_ids == (*prompt, *encode(generated))
+        assert session.history_text == text + generated
+
+        turn = engine.begin_turn("s", "", [{"role": "user", "content": "again"}])
+        text = render_text(turn.prompt_messages)
+        prompt = turn.encode_prompt(text, encode)
+        assert prompt[: len(session.history_ids)] == session.history_ids
+        stop = SamplingParams(max_tokens=60, stop=["name"])
+        out = await collect(engine.submit(GenerationRequest(prompt, stop, turn=turn)))
+        assert out.text[0] == '<tool_call>{"'
+        assert session.prompt_messages[-1] == {"role": "assistant", "content": out.text[0]}
+        assert session.history_ids == prompt and session.history_text == text

@@ -82,7 +82,7 @@ from furnace_trio.engine.scheduler import (
     StepMismatch,
 )
 from furnace_trio.engine.session_turns import SessionTurns
-from furnace_trio.engine.sessions import Session, SessionStore, Turn
+from furnace_trio.engine.sessions import Session, SessionReply, SessionStore, Turn
 from furnace_trio.engine.stats import EngineMetrics, EngineStatistics
 from furnace_trio.engine.stream import RequestStream, TokenText
 
@@ -176,7 +176,9 @@ class Engine:
             max_sessions=config.max_sessions,
             release=self._kv.unpin,
         )
-        self._turns = SessionTurns(self.sessions, self._kv, self._scheduler.pop_kept)
+        self._turns = SessionTurns(
+            self.sessions, self._kv, self._scheduler.pop_kept, self._text.decode
+        )
         self._scheduler.reclaim = self._turns.reclaim
         self._next_expiry = 0.0
         self._wake = trio.Event()
@@ -251,7 +253,7 @@ class Engine:
         ``SessionNotFound`` or ``ValueError``. The caller must :meth:`end_turn` it."""
         return self._turns.begin(session_id, owner, new_messages)
 
-    def commit_turn(self, turn: Turn, reply: Mapping[str, Any]) -> bool:
+    def commit_turn(self, turn: Turn, reply: SessionReply) -> bool:
         """Append the finished turn and its ``reply`` to the session, with the KV its
         request pinned. ``False`` (nothing changed) unless its request finished."""
         return self._turns.commit(turn, reply)

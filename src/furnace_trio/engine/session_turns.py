@@ -3,7 +3,8 @@
 :class:`~furnace_trio.engine.sessions.SessionStore` keeps the sessions themselves (history,
 pinned KV, expiry). A turn's request, once it finishes naturally, leaves its KV pinned
 (:class:`~furnace_trio.engine.kv_cache_manager.KeptKV`); :meth:`SessionTurns.commit` hands
-those pins and the reply to the store, and :meth:`SessionTurns.end` always closes the
+those pins and the reply to the store (the reply comes from whoever consumes the request's
+stream: only it knows what the client received, tool calls and their ids included), and :meth:`SessionTurns.end` always closes the
 turn, dropping pins nobody committed. So a turn that is cancelled or fails leaves its
 session exactly as it was. Every call is synchronous and never awaits (safe in
 ``finally`` blocks and under cancellation); times come from ``trio.current_time()``.
@@ -18,7 +19,7 @@ from typing import Any
 import trio
 
 from furnace_trio.engine.kv_cache_manager import KeptKV, KVCacheManager
-from furnace_trio.engine.sessions import Session, SessionStore, Turn, TurnState
+from furnace_trio.engine.sessions import Session, SessionReply, SessionStore, Turn, TurnState
 
 __all__ = ["SessionTurns"]
 
@@ -40,8 +41,10 @@ class SessionTurns:
         store: SessionStore,
         kv: KVCacheManager,
         pop_kept: Callable[[str], KeptKV | None],
+        decode: Callable[[Sequence[int]], str],
     ) -> None:
         self.store = store
+        self._decode = decode  # the engine's: what a reply's token ids read as
         self._kv = kv
         self._pop_kept = pop_kept  # the pins a finished keep_kv request left (the scheduler's)
         self._runs: dict[str, _TurnRun] = {}  # by request id, until the turn ends
@@ -72,7 +75,7 @@ class SessionTurns:
         if run is not None:
             run.kept = self._pop_kept(request_id)
 
-    def commit(self, turn: Turn, reply: Mapping[str, Any]) -> bool:
+    def commit(self, turn: Turn, reply: SessionReply) -> bool:
         """Append the finished turn and its ``reply`` to the session, with the KV its
         request pinned. ``False`` (nothing changed) unless its request finished."""
         run = self._runs.get(turn.request_id or "")
@@ -87,6 +90,7 @@ class SessionTurns:
             output_token_ids=kept.output_token_ids,
             seed=run.seed,
             now=trio.current_time(),
+            reply_exact=self._decode(kept.output_token_ids) == reply.text,
         )
         return True
 

@@ -3,17 +3,36 @@
 Plain Python (no Trio, no torch): the engine owns one :class:`SessionStore` and passes the
 time in (``trio.current_time()``, so tests can use ``autojump_clock``). A session holds::
 
-    messages      the conversation so far (user turns and the assistant's replies)
-    token_ids     the tokens whose KV the session pins (full blocks only)
-    blocks        one reference to each of those KV blocks, so the prefix cache cannot
-                  evict them; the next turn's prefix lookup finds them like any cached block
-    rng_state     a 64-bit sampler state: a seeded turn samples with a seed derived from
-                  (request seed, rng_state), and a committed turn advances it, so a seeded
-                  conversation replayed from scratch yields the same text every turn
+    messages         the conversation as the client sees it: its messages, and each reply
+                     as the client received it (content, tool calls with their ids)
+    prompt_messages  the same conversation as the chat template renders it for the model:
+                     each reply is the text the model generated (tool-call markup and all)
+    history_text     what the conversation so far renders to, and the exact token ids the
+    history_ids      model read and wrote for it (see "Two views of a reply" below)
+    token_ids        the tokens whose KV the session pins (full blocks only)
+    blocks           one reference to each of those KV blocks, so the prefix cache cannot
+                     evict them; the next turn's prefix lookup finds them like any cached block
+    rng_state        a 64-bit sampler state: a seeded turn samples with a seed derived from
+                     (request seed, rng_state), and a committed turn advances it, so a seeded
+                     conversation replayed from scratch yields the same text every turn
 
 A turn (:class:`Turn`) is the only way to change a session, and it changes it only when it
 commits: a cancelled or failed turn leaves messages, tokens, pins and RNG exactly as they
 were. One turn at a time (:class:`SessionBusy`, HTTP 409).
+
+Two views of a reply. What the client received (a ``tool_calls`` list with ids, arguments
+re-serialised, the content around the calls) cannot be rendered back into the tokens the
+model generated: the template's own tool-call format, JSON spacing, key order and the
+whitespace around the markup all differ, and even plain text may tokenize differently
+from how it was sampled. So the display view (``messages``, what ``GET /v1/sessions``
+shows) and the prompt view are kept apart: the next turn renders ``prompt_messages``, and
+:meth:`Turn.encode_prompt` reuses ``history_ids`` verbatim for the part of the rendered
+text that is ``history_text``, encoding only what the new messages add. The next prompt
+therefore starts with exactly the tokens the session's KV holds, and only the new input is
+computed. Where the template does not render the history as a prefix (it rewrites earlier
+turns, or the tools in the system prompt changed), the whole text is encoded afresh; the
+prefix cache then reuses whatever blocks still match, and the rest is recomputed: slower,
+never wrong.
 
 Decisions:
 
@@ -45,6 +64,7 @@ __all__ = [
     "SessionBusy",
     "SessionError",
     "SessionNotFound",
+    "SessionReply",
     "SessionStore",
     "Turn",
     "TurnState",
@@ -111,6 +131,9 @@ class Session:
     created_at: float
     last_used: float
     messages: list[Mapping[str, Any]] = field(default_factory=list)
+    prompt_messages: list[Mapping[str, Any]] = field(default_factory=list)
+    history_text: str = ""
+    history_ids: tuple[int, ...] = ()
     token_ids: tuple[int, ...] = ()
     blocks: tuple[int, ...] = ()
     rng_state: int = 0
@@ -118,23 +141,69 @@ class Session:
     busy: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class SessionReply:
+    """A turn's reply, in both views (see "Two views of a reply" in the module docstring).
+
+    ``message`` is the assistant message as the client received it (``content``, and
+    ``tool_calls`` with their ids); ``text`` is what the model generated for it, markup
+    included and stop strings removed, which the next turn renders.
+    """
+
+    message: Mapping[str, Any]
+    text: str
+
+
 @dataclass(slots=True, eq=False)
 class Turn:
-    """A turn in flight: the whole conversation to render, and the session to commit to."""
+    """A turn in flight: the whole conversation to render, and the session to commit to.
+
+    ``prompt_text`` and ``prompt_ids`` are set by :meth:`encode_prompt`: the commit needs
+    them to extend the session's history ids.
+    """
 
     session: Session
     new_messages: tuple[Mapping[str, Any], ...]
     state: TurnState = TurnState.OPEN
     request_id: str | None = None  # set by the engine when the turn's request is submitted
+    prompt_text: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
 
     @property
-    def messages(self) -> list[Mapping[str, Any]]:
-        """History plus the new messages: what the chat template renders."""
-        return [*self.session.messages, *self.new_messages]
+    def prompt_messages(self) -> list[Mapping[str, Any]]:
+        """History plus the new messages, as the chat template renders them for the model."""
+        return [*self.session.prompt_messages, *self.new_messages]
+
+    def encode_prompt(self, text: str, encode: Callable[[str], Sequence[int]]) -> tuple[int, ...]:
+        """The token ids of ``text`` (this turn's rendered prompt): where it starts with the
+        session's ``history_text``, the session's ``history_ids`` (the tokens its KV holds)
+        and then ``encode`` of the rest; else ``encode(text)``. Called once, before the
+        turn's request is submitted; the session is busy, so its history cannot change."""
+        history = self.session.history_text
+        if history and text.startswith(history):
+            ids = (*self.session.history_ids, *encode(text[len(history) :]))
+        else:
+            ids = tuple(encode(text))
+        self.prompt_text, self.prompt_ids = text, ids
+        return ids
 
     @property
     def session_id(self) -> str:
         return self.session.session_id
+
+
+def _extend_history(
+    session: Session, turn: Turn, reply_text: str, reply_ids: Sequence[int] | None
+) -> None:
+    """The history after a committed turn: its prompt, and its reply where its ids are
+    known to be the text's; nothing when the prompt was not encoded by the turn."""
+    if turn.prompt_text is None or turn.prompt_ids is None:
+        session.history_text, session.history_ids = "", ()
+    elif reply_ids is None:
+        session.history_text, session.history_ids = turn.prompt_text, turn.prompt_ids
+    else:
+        session.history_text = turn.prompt_text + reply_text
+        session.history_ids = (*turn.prompt_ids, *reply_ids)
 
 
 class SessionStore:
@@ -216,16 +285,22 @@ class SessionStore:
     def commit(
         self,
         turn: Turn,
-        reply: Mapping[str, Any],
+        reply: SessionReply,
         *,
         token_ids: Sequence[int],
         blocks: Sequence[int],
         output_token_ids: Sequence[int],
         seed: int | None,
         now: float,
+        reply_exact: bool,
     ) -> None:
         """The turn finished: append its messages and reply, swap in its pins (the store
-        now owns one reference to each of ``blocks``), advance the RNG."""
+        now owns one reference to each of ``blocks``), advance the RNG.
+
+        ``reply_exact``: ``output_token_ids`` decode to exactly ``reply.text`` (false when
+        a stop string cut the text short), so they extend the history ids; otherwise the
+        history ends with the prompt and the next turn encodes the reply's text afresh.
+        """
         if turn.state is not TurnState.OPEN:
             raise ValueError(f"the turn is {turn.state.value}")
         session = turn.session
@@ -234,7 +309,10 @@ class SessionStore:
             turn.state = TurnState.COMMITTED
             return
         session.messages.extend(turn.new_messages)
-        session.messages.append(dict(reply))
+        session.messages.append(dict(reply.message))
+        session.prompt_messages.extend(turn.new_messages)
+        session.prompt_messages.append({"role": "assistant", "content": reply.text})
+        _extend_history(session, turn, reply.text, output_token_ids if reply_exact else None)
         self._unpin(session)
         session.token_ids = tuple(token_ids)
         session.blocks = tuple(blocks)

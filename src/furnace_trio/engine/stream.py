@@ -9,6 +9,11 @@ through the same synchronous path as a disconnect.
 A stream reaches its engine only through :class:`StreamOwner`, four synchronous calls
 (abort, stop a sample, commit or end a session turn), and reads token text through the
 engine's shared :class:`TokenText`.
+
+A session turn is committed by the stream's consumer (:meth:`RequestStream.commit_turn`)
+once sample 0 has finished: only the consumer knows the reply as the client received it
+(tool calls parsed, with their ids). The stream adds the text the model generated, which
+is what the next turn renders.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import SampledToken
 from furnace_trio.engine.events import Delta, Event, Failed, Finished, LogprobEntry, TopLogprob
 from furnace_trio.engine.messages import Finish, Message, PromptScores, Tokens
-from furnace_trio.engine.sessions import Turn
+from furnace_trio.engine.sessions import SessionReply, Turn
 from furnace_trio.text.detokenizer import Detokenizer, make_detokenizer
 from furnace_trio.text.stop_strings import StopStringMatcher
 
@@ -40,7 +45,7 @@ class StreamOwner(Protocol):
 
     def stop_sample(self, request_id: str, index: int) -> None: ...
 
-    def commit_turn(self, turn: Turn, reply: Mapping[str, Any]) -> bool: ...
+    def commit_turn(self, turn: Turn, reply: SessionReply) -> bool: ...
 
     def end_turn(self, turn: Turn) -> None: ...
 
@@ -191,7 +196,6 @@ class RequestStream:
                 if matched:
                     self._end_sample(index, "".join(texts) + text, "stop")
                     self._owner.stop_sample(self.request_id, index)
-                    self._commit_turn(index)
                     return
             texts.append(text)
         text = "".join(texts)
@@ -210,14 +214,16 @@ class RequestStream:
             else:
                 text += sample.stops.flush()
         self._end_sample(index, text, reason)
-        self._commit_turn(index)
 
-    def _commit_turn(self, index: int) -> None:
-        """A session turn's only sample finished: its text (what the client got, stop
-        strings removed) joins the history, with the KV the request pinned."""
-        if self.turn is not None and index == 0:
-            reply = {"role": "assistant", "content": "".join(self._reply)}
-            self._owner.commit_turn(self.turn, reply)
+    def commit_turn(self, message: Mapping[str, Any]) -> bool:
+        """Sample 0 of a session turn finished: ``message``, the reply as the client received
+        it, joins the session's history, with the text the model generated (stop strings
+        removed) and the KV the request pinned. ``False`` (nothing changed) for a request
+        without a turn, before sample 0 finished, or once the turn was committed or ended."""
+        if self.turn is None or not self._samples[0].finished:
+            return False
+        reply = SessionReply(dict(message), "".join(self._reply))
+        return self._owner.commit_turn(self.turn, reply)
 
     def _end_sample(self, index: int, text: str, reason: Literal["stop", "length"]) -> None:
         sample = self._samples[index]

@@ -1,8 +1,10 @@
 """A conversation rendered by the model's chat template and tokenized.
 
 Tools are folded into the prompt as the template expects them
-(:func:`~furnace_trio.tools.tool_prompt.prepare_tool_messages`). These functions block for
-as long as rendering and tokenizing take, so handlers call them in a worker thread.
+(:func:`~furnace_trio.tools.tool_prompt.prepare_tool_messages`). A session turn's prompt is
+encoded by its :class:`~furnace_trio.engine.sessions.Turn`, which reuses the exact token ids
+of the session's history. These functions block for as long as rendering and tokenizing
+take, so handlers call them in a worker thread.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from furnace_trio.engine.sessions import Turn
 from furnace_trio.server.chat_request import ChatRequest
 from furnace_trio.server.errors import invalid_request
 from furnace_trio.tools.tool_prompt import prepare_tool_messages, template_supports_tools
@@ -18,16 +21,28 @@ if TYPE_CHECKING:
     from furnace_trio.server.backend import Backend
 
 
-def render_chat(backend: Backend, parsed: ChatRequest) -> tuple[int, ...]:
-    """Template and tokenize (runs in a worker thread; big inputs take a while)."""
+def render_chat(
+    backend: Backend, parsed: ChatRequest, turn: Turn | None = None, *, instruct: bool = True
+) -> tuple[int, ...]:
+    """Template and tokenize (runs in a worker thread; big inputs take a while). For a
+    session ``turn``, ``parsed.messages`` are its prompt messages.
+
+    ``instruct``: tell the model a forced ``tool_choice`` in the tool prompt. Without it
+    (a grammar enforces the call) the prompt is the same whatever ``tool_choice``, so the
+    tools' system prompt stays cached, a session's history included, when an agent
+    forces a call in one turn and not in the next.
+    """
     text = render_messages(
         backend,
         parsed.messages,
         parsed.tools if parsed.tool_choice != "none" else None,
-        required=parsed.tool_choice == "required",
-        function=parsed.tool_function,
+        required=instruct and parsed.tool_choice == "required",
+        function=parsed.tool_function if instruct else None,
     )
-    return tuple(backend.tokenizer.encode(text, add_special_tokens=False))
+    tokenizer = backend.tokenizer
+    if turn is not None:
+        return turn.encode_prompt(text, lambda t: tokenizer.encode(t, add_special_tokens=False))
+    return tuple(tokenizer.encode(text, add_special_tokens=False))
 
 
 def render_messages(

@@ -37,7 +37,12 @@ from furnace_trio.server.echo import Echo
 from furnace_trio.server.errors import APIError, invalid_request
 from furnace_trio.server.protocol import resolve_max_tokens
 from furnace_trio.server.request_log import RequestTiming
-from furnace_trio.server.response_body import failure_error, fold_event, stream_body
+from furnace_trio.server.response_body import (
+    commit_turn,
+    failure_error,
+    fold_event,
+    stream_body,
+)
 from furnace_trio.server.sse import SSE_HEADERS, Collector, Kind, dumps
 from furnace_trio.server.state import BUSY_RETRY_AFTER_S, shutting_down
 from furnace_trio.server.stream_group import StreamGroup
@@ -115,6 +120,7 @@ async def generate(
             failure = None
             for event in events:
                 failure = fold_event(event, collector, timing) or failure
+                commit_turn(stream, event, collector)
             if failure is not None:
                 error = failure_error(failure)
                 timing.status = error.status

@@ -247,7 +247,12 @@ SCHEMAS: dict[str, Any] = {
             "id": {"type": "string"},
             "object": {"const": "session"},
             "turns": {"type": "integer", "minimum": 0},
-            "messages": {"type": "array", "items": {"type": "object"}},
+            "messages": {
+                "type": "array",
+                "items": {"type": "object"},
+                "description": "Each turn's messages, and each reply as the client received "
+                "it: content, and tool_calls with their ids.",
+            },
             "cached_tokens": {"type": "integer", "minimum": 0},
         },
     },

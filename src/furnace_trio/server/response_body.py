@@ -58,6 +58,18 @@ def fold_event(event: object, collector: Collector, timing: RequestTiming) -> Fa
     return None
 
 
+def commit_turn(stream: RequestStream | StreamGroup, event: object, collector: Collector) -> None:
+    """Once a session turn's reply is complete (its ``Finished``, which follows the choice's
+    last text and tool calls), it joins the session as the client received it."""
+    if (
+        isinstance(event, Finished)
+        and event.index == 0
+        and isinstance(stream, RequestStream)
+        and stream.turn is not None
+    ):
+        stream.commit_turn(collector.message(0))
+
+
 def _admit(event: Admitted, collector: Collector, timing: RequestTiming) -> None:
     timing.admitted = time.monotonic()
     timing.queue_time = event.queue_time
@@ -83,6 +95,7 @@ async def stream_body(
         async for engine_event in stream:
             events = tools.translate(engine_event) if tools is not None else [engine_event]
             for event in events:
+                commit_turn(stream, event, collector)  # before its chunk: the client may leave
                 for chunk in _stream_chunks(event, collector, timing, include_usage):
                     yield chunk
             if isinstance(engine_event, Failed):

@@ -175,14 +175,10 @@ class Collector:
         for index, choice in enumerate(self.choices):
             text = "".join(choice.text)
             if self.kind == "chat":
-                message: dict[str, Any] = {"role": "assistant", "content": text}
-                if choice.tool_calls:
-                    message["content"] = text or None
-                    message["tool_calls"] = [_tool_call(c) for c in choice.tool_calls]
                 choices.append(
                     {
                         "index": index,
-                        "message": message,
+                        "message": self.message(index),
                         "logprobs": chat_logprobs(choice.logprobs) if self.want_logprobs else None,
                         "finish_reason": choice.finish_reason,
                     }
@@ -203,6 +199,17 @@ class Collector:
         body["usage"] = self.usage()
         return body
 
+    def message(self, index: int) -> dict[str, Any]:
+        """Choice ``index``'s assistant message as the client received it, streamed or not
+        (``content`` is ``None`` beside tool calls when there is no text)."""
+        choice = self.choices[index]
+        text = "".join(choice.text)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if choice.tool_calls:
+            message["content"] = text or None
+            message["tool_calls"] = [_tool_call(c) for c in choice.tool_calls]
+        return message
+
     # --- streaming -------------------------------------------------------------------------
 
     def chunk(
@@ -219,6 +226,7 @@ class Collector:
         choice = self.choices[index]
         offset = choice.text_length
         if text:
+            choice.text.append(text)
             choice.text_length += len(text)
         return self._chunk_body(index, text, role, logprobs, finish_reason, include_usage, offset)
 
@@ -227,6 +235,7 @@ class Collector:
         finish): the same bytes as ``sse_event(self.chunk(index, text=text, ...))``, from
         a frame serialized once per choice, so a token costs one string escape."""
         choice = self.choices[index]
+        choice.text.append(text)
         choice.text_length += len(text)
         frame = self._frames.get((index, include_usage))
         if frame is None:

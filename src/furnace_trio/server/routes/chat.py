@@ -5,6 +5,7 @@ any grammar, then generate; a session turn renders the session's history with it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -61,7 +62,10 @@ async def _chat(
     state: ServerState, backend: Backend, parsed: ChatRequest, turn: Turn | None = None
 ) -> Response:
     """Render, tokenize, set up tool parsing and any grammar, then generate."""
-    prompt_ids = await trio.to_thread.run_sync(render_chat, backend, parsed)
+    forced = _grammar_forces_calls(state, backend, parsed)
+    prompt_ids = await trio.to_thread.run_sync(
+        functools.partial(render_chat, backend, parsed, turn, instruct=not forced)
+    )
     constraint = None
     if parsed.response_format is not None or parsed.tool_choice in ("required", "function"):
         if state.grammar is None:
@@ -82,9 +86,10 @@ async def _chat(
 async def _session_chat(
     state: ServerState, backend: Backend, parsed: ChatRequest, session_id: str
 ) -> Response:
-    """A session turn: its history plus the new messages, rendered whole. The session's
-    pinned blocks are in the prefix cache, so only the tokens after the longest common
-    prefix compute. The request stream commits the turn when it finishes and ends it when
+    """A session turn: its history plus the new messages, rendered whole, the history as the
+    model generated it; the prompt starts with the exact token ids the session's pinned
+    blocks hold (:meth:`Turn.encode_prompt`), so only the new input computes. The response
+    commits the turn's reply once it is complete, and the request stream ends the turn when
     closed; until the stream exists, ending it on the way out is ours."""
     engine = backend.engine
     try:
@@ -96,7 +101,7 @@ async def _session_chat(
     except ValueError as exc:
         raise invalid_request(str(exc), "session_id") from None
     try:
-        full = dataclasses.replace(parsed, messages=tuple(turn.messages))
+        full = dataclasses.replace(parsed, messages=tuple(turn.prompt_messages))
         response = await _chat(state, backend, full, turn)
     except BaseException:
         engine.end_turn(turn)
@@ -131,24 +136,29 @@ def _tool_stream(
     return make
 
 
+def _grammar_forces_calls(state: ServerState, backend: Backend, parsed: ChatRequest) -> bool:
+    """Whether a grammar enforces ``tool_choice`` required or named: only for calls in the
+    Hermes format; other formats are left to the prompt's instruction."""
+    if parsed.tool_choice not in ("required", "function"):
+        return False
+    configured = state.config.tool_parser if state.config is not None else "auto"
+    return tool_call_format(configured, backend.tokenizer.chat_template).value == "hermes"
+
+
 def _constraint(
     state: ServerState, backend: Backend, parsed: ChatRequest
 ) -> TokenConstraint | None:
     """The grammar that enforces ``tool_choice`` required/named or ``response_format``.
 
     Forced calls are generated in the Hermes format; with another configured parser they
-    are left to the prompt. Runs in a worker thread (compiling takes milliseconds).
+    are left to the prompt (:func:`_grammar_forces_calls`). Runs in a worker thread (compiling takes milliseconds).
     """
     compiler = state.grammar
     assert compiler is not None  # set by the handler before this runs; not user input
     try:
         if parsed.tool_choice in ("required", "function"):
-            configured = state.config.tool_parser if state.config is not None else "auto"
-            fmt = tool_call_format(configured, backend.tokenizer.chat_template)
-            if fmt.value != "hermes":
-                logger.info(
-                    "tool_choice %s not enforced for the %s format", parsed.tool_choice, fmt
-                )
+            if not _grammar_forces_calls(state, backend, parsed):
+                logger.info("tool_choice %s left to the prompt", parsed.tool_choice)
                 return None
             tools = parsed.tool_schemas
             if parsed.tool_function is not None:
