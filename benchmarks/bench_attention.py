@@ -31,7 +31,7 @@ def build(source: Path | None, flags: tuple[str, ...]) -> native.Kernels:
     if source is not None:
         native.SOURCE = source
     try:
-        kernels = native.load(flags)
+        kernels = native.load(extra_flags=flags)
     finally:
         native.SOURCE = saved
     if kernels is None:

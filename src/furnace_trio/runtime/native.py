@@ -1,10 +1,11 @@
 """The native CPU kernels (``cpu_kernels.c``): built on first use, loaded through ctypes.
 
-The C source is compiled once per machine with the local C compiler (``$CC``, else ``cc``)
-for the CPU it runs on (``-march=native``: AVX-512, AVX2 or plain C) and cached under
-``$FURNACE_CACHE_DIR`` (default ``~/.cache/furnace-trio``), keyed by the source, the
-compiler and the CPU. Building takes about a second; a machine without a compiler gets
-:func:`load` returning ``None`` and the callers fall back to torch kernels.
+The C source is compiled once per machine with the configured C compiler (default ``cc``)
+for the CPU it runs on (``-march=native``: AVX-512, AVX2 or plain C) and cached in the
+directory of its :class:`~furnace_trio.runtime.native_config.NativeConfig` (default
+``~/.cache/furnace-trio``), keyed by the source, the compiler and the CPU. Building takes
+about a second; a machine without a compiler gets :func:`load` returning ``None`` and the
+callers fall back to torch kernels.
 
 Calls go through :mod:`ctypes`, which releases the GIL for the duration of the call; the
 kernels parallelise with OpenMP, sharing torch's OpenMP runtime (the library is loaded
@@ -19,7 +20,6 @@ import hashlib
 import logging
 import os
 import platform
-import shlex
 import shutil
 import subprocess
 import tempfile
@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from furnace_trio.runtime.native_config import DEFAULT_NATIVE_CONFIG, NativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -494,12 +496,8 @@ def quantize_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, top / 127.0
 
 
-def cache_dir() -> Path:
-    configured = os.environ.get("FURNACE_CACHE_DIR")
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "furnace-trio"
+def cache_dir(config: NativeConfig = DEFAULT_NATIVE_CONFIG) -> Path:
+    return config.directory
 
 
 @functools.cache
@@ -513,8 +511,8 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc"))
+def _compiler(config: NativeConfig) -> str | None:
+    return shutil.which(config.compiler)
 
 
 @functools.cache
@@ -546,19 +544,18 @@ def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
             os.unlink(tmp)
 
 
-def load(extra_flags: tuple[str, ...] = ()) -> Kernels | None:
+def load(
+    config: NativeConfig = DEFAULT_NATIVE_CONFIG, *, extra_flags: tuple[str, ...] = ()
+) -> Kernels | None:
     """The kernels, building them if needed; ``None`` where they cannot be built here.
 
-    ``FURNACE_NATIVE=0`` disables them (the torch kernels are used instead).
-    ``FURNACE_NATIVE_FLAGS`` (shell words) and then ``extra_flags`` go after :data:`FLAGS`:
-    tests build the AVX2 and plain-C variants on an AVX-512 machine with ``-mno-avx512f``
-    and ``-march=x86-64``, and ``FURNACE_NATIVE_FLAGS=-mno-avx512f`` serves with the AVX2
-    build (what a CPU without AVX-512 runs, for comparisons on this one).
+    ``config.flags`` and then ``extra_flags`` go after :data:`FLAGS`: tests build the AVX2
+    and plain-C variants on an AVX-512 machine with ``-mno-avx512f`` and ``-march=x86-64``,
+    and a server configured with ``FURNACE_NATIVE_FLAGS=-mno-avx512f`` runs the AVX2 build
+    (what a CPU without AVX-512 runs, for comparisons on this one).
     """
-    if os.environ.get("FURNACE_NATIVE", "1") == "0":
-        return None
-    extra_flags = (*shlex.split(os.environ.get("FURNACE_NATIVE_FLAGS", "")), *extra_flags)
-    compiler = _compiler()
+    extra_flags = (*config.flags, *extra_flags)
+    compiler = _compiler(config)
     if compiler is None:
         logger.warning("native kernels: no C compiler (set CC); using torch kernels")
         return None
@@ -568,7 +565,7 @@ def load(extra_flags: tuple[str, ...] = ()) -> Kernels | None:
     key = hashlib.blake2b(
         b"\0".join([source, *(p.encode() for p in parts)]), digest_size=12
     ).hexdigest()
-    target = cache_dir() / f"cpu_kernels-{key}.so"
+    target = cache_dir(config) / f"cpu_kernels-{key}.so"
     with _lock:
         if str(target) in _loaded:
             return _loaded[str(target)]

@@ -18,7 +18,7 @@ from furnace_trio.loading.tokenizer import Tokenizer
 from furnace_trio.server.config import ServerConfig
 
 if TYPE_CHECKING:
-    from furnace_trio.runtime.runner import ModelRunner
+    from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -109,22 +109,31 @@ def build_engine(
     )
 
 
-def load_backend(config: ServerConfig) -> Backend:
-    """Load the configured model (default: the embedded SmolLM2) and build its engine."""
-    from furnace_trio.loading.loader import LoadedModel, load_model
-    from furnace_trio.runtime.runner import ModelRunner, RunnerConfig, resolve_device
+def runner_config(config: ServerConfig, device: str, device_type: str) -> RunnerConfig:
+    """The runner's settings from the server's, for a resolved ``device``."""
+    from furnace_trio.runtime.runner import RunnerConfig
 
-    started = time.monotonic()
-    device = resolve_device(config.device)
-    settings = RunnerConfig(
-        device=str(device),
+    return RunnerConfig(
+        device=device,
         dtype=config.dtype,
-        kv_cache_bytes=_kv_cache_bytes(config, device.type),
+        kv_cache_bytes=_kv_cache_bytes(config, device_type),
         kv_dtype=config.kv_cache_dtype,
         max_context=config.max_context,
         quantization=config.quantization,
         cuda_graphs=None if config.cuda_graphs else False,
+        native=config.native,
+        native_build=config.native_build,
     )
+
+
+def load_backend(config: ServerConfig) -> Backend:
+    """Load the configured model (default: the embedded SmolLM2) and build its engine."""
+    from furnace_trio.loading.loader import LoadedModel, load_model
+    from furnace_trio.runtime.runner import ModelRunner, resolve_device
+
+    started = time.monotonic()
+    device = resolve_device(config.device)
+    settings = runner_config(config, str(device), device.type)
 
     def build() -> tuple[LoadedModel, ModelRunner]:
         loaded = load_model(config.model)
