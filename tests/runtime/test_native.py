@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from furnace_trio.runtime import native
-from furnace_trio.runtime.native_config import NativeConfig
+from furnace_trio.runtime.native import library
+from furnace_trio.runtime.native.config import NativeConfig
 from furnace_trio.runtime.quant import (
     NativeInt8Linear,
     NativeQ4Linear,
@@ -84,7 +85,7 @@ def test_fresh_build_in_an_empty_cache(tmp_path: Path) -> None:
 
 
 def test_missing_compiler_falls_back(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="furnace_trio.runtime.native"):
+    with caplog.at_level(logging.WARNING, logger="furnace_trio.runtime.native.library"):
         assert native.load(NativeConfig(compiler="/nonexistent/cc")) is None
     assert "no C compiler" in caplog.text
 
@@ -94,8 +95,8 @@ def test_build_failure_falls_back(
 ) -> None:
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(native, "SOURCE", bad)
-    with caplog.at_level(logging.WARNING, logger="furnace_trio.runtime.native"):
+    monkeypatch.setattr(library, "SOURCE", bad)
+    with caplog.at_level(logging.WARNING, logger="furnace_trio.runtime.native.library"):
         assert native.load(NativeConfig(cache_dir=tmp_path / "cache")) is None
     assert "build failed" in caplog.text
     assert not list((tmp_path / "cache").glob("*.so"))  # no half-built library is kept

@@ -11,7 +11,7 @@ from furnace_trio.core.params import SamplingParams
 from furnace_trio.engine.engine import Delta, GenerationRequest
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.loading.tokenizer import Tokenizer
-from furnace_trio.runtime.native_config import NativeConfig
+from furnace_trio.runtime.native.config import NativeConfig
 from furnace_trio.server.backend import DEFAULT_LIMITS, build_engine, engine_config, runner_config
 from furnace_trio.server.config import ServerConfig
 from furnace_trio.text.detokenizer import ByteDetokenizer

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from furnace_trio.runtime.native_config import DEFAULT_NATIVE_CONFIG, NativeConfig
+from furnace_trio.runtime.native.config import DEFAULT_NATIVE_CONFIG, NativeConfig
 
 Device = Literal["cpu", "cuda", "auto"]
 DEVICES: tuple[str, ...] = ("cpu", "cuda", "auto")
