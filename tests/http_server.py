@@ -57,7 +57,7 @@ from dataclasses import dataclass, field  # noqa: E402
 
 import pytest  # noqa: E402
 
-from furnace_trio.engine.engine import Engine, EngineConfig  # noqa: E402
+from furnace_trio.engine import Engine, EngineConfig  # noqa: E402
 from furnace_trio.loading.tokenizer import Tokenizer  # noqa: E402
 from furnace_trio.server.app import STATE_KEY, ServerState, create_app  # noqa: E402
 from furnace_trio.server.backend import Backend  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from furnace_trio.core.plan import SampledToken, StepPlan
-from furnace_trio.engine.engine import (
+from furnace_trio.engine import (
     Admitted,
     Delta,
     Engine,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import httpx
 import openai
 
-from furnace_trio.engine.engine import EngineConfig
+from furnace_trio.engine import EngineConfig
 
 from .. import scripted
 from ..http_server import MODEL_NAME, Served, serve_scripted

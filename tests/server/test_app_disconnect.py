@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import trio
 
-from furnace_trio.engine.engine import EngineConfig
+from furnace_trio.engine import EngineConfig
 
 from .. import scripted
 from ..http_server import ANSWERS, Served, default_script, scripted_app, serve_scripted

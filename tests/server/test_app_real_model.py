@@ -13,7 +13,7 @@ import pytest
 import torch
 import trio
 
-from furnace_trio.engine.engine import Engine
+from furnace_trio.engine import Engine
 
 from ..real_model import (
     NAME,

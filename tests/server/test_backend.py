@@ -8,7 +8,7 @@ from pathlib import Path
 import trio
 
 from furnace_trio.core.params import SamplingParams
-from furnace_trio.engine.engine import Delta, GenerationRequest
+from furnace_trio.engine import Delta, GenerationRequest
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.loading.tokenizer import Tokenizer
 from furnace_trio.runtime.native.config import NativeConfig

@@ -20,7 +20,7 @@ import hypercorn.trio
 import trio
 from hypercorn.config import Config
 
-from furnace_trio.engine.engine import Engine, EngineConfig
+from furnace_trio.engine import Engine, EngineConfig
 from furnace_trio.server.config import ServerConfig
 from furnace_trio.server.lifecycle import drain_then
 

@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from furnace_trio.core.params import SamplingParams
-from furnace_trio.engine.engine import (
+from furnace_trio.engine import (
     Engine,
     EngineConfig,
     EngineUnavailable,

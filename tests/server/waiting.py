@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import trio
 
-from furnace_trio.engine.engine import Engine
+from furnace_trio.engine import Engine
 
 
 async def wait_until(

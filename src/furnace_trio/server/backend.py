@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from furnace_trio.core.plan import ChunkPlan, StepPlan, StepRunner
-from furnace_trio.engine.engine import Engine, EngineConfig
+from furnace_trio.engine import Engine, EngineConfig
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.loading.tokenizer import Tokenizer
 from furnace_trio.server.config import ServerConfig
