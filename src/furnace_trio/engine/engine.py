@@ -121,6 +121,8 @@ class Engine:
         self._state = _State.NEW
         self._failure: str | None = None
         self._metrics = EngineMetrics()
+        # Tasks in wait_statistics, woken after every change that statistics() shows.
+        self._changed = trio.lowlevel.ParkingLot()
         self._outbox = Outbox(
             self._metrics,
             config.stream_interval,
@@ -157,8 +159,10 @@ class Engine:
             raise
         finally:
             self._model_thread.close()  # an abandoned step still finishes first
+            self._changed.unpark_all()
         if self._state in (_State.SHUTTING_DOWN, _State.DRAINING):
             self._state = _State.STOPPED
+            self._changed.unpark_all()
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Queue a request; its stream yields its events. Raises the :class:`EngineError`\\ s."""
@@ -167,6 +171,8 @@ class Engine:
         except EngineError:
             self._metrics.count("rejected")
             raise
+        finally:
+            self._changed.unpark_all()
 
     def abort(self, request_id: str) -> None:
         """Drop a request in any state, freeing its KV blocks now; end its session turn
@@ -175,6 +181,7 @@ class Engine:
             self._scheduler.abort(request_id)
             self._metrics.count("aborted")
         self._turns.end_for(request_id)
+        self._changed.unpark_all()
 
     def stop_sample(self, request_id: str, index: int) -> None:
         """End one sample as 'stop' (a stop string matched in its stream). Never awaits."""
@@ -182,6 +189,7 @@ class Engine:
             return
         self._scheduler.abort_sample(request_id, index)
         self._outbox.finish_sample(request_id, index, FinishReason.STOP)
+        self._changed.unpark_all()
 
     # -- sessions -------------------------------------------------------------------------
 
@@ -195,12 +203,15 @@ class Engine:
     def commit_turn(self, turn: Turn, reply: Mapping[str, Any]) -> bool:
         """Append the finished turn and its ``reply`` to the session, with the KV its
         request pinned. ``False`` (nothing changed) unless its request finished."""
-        return self._turns.commit(turn, reply)
+        committed = self._turns.commit(turn, reply)
+        self._changed.unpark_all()
+        return committed
 
     def end_turn(self, turn: Turn) -> None:
         """Free the session for its next turn; uncommitted pins are dropped. Idempotent,
         never awaits (safe in ``finally`` and under cancellation)."""
         self._turns.end(turn)
+        self._changed.unpark_all()
 
     def get_session(self, session_id: str, owner: str) -> Session:
         return self._turns.get(session_id, owner)
@@ -219,6 +230,7 @@ class Engine:
                 group.request_id, "the server is shutting down", FailureCause.SHUTDOWN
             )
         self._wake.set()
+        self._changed.unpark_all()
 
     def drain(self) -> None:
         """Stop admitting (:meth:`submit` raises :class:`EngineUnavailable`) but let every
@@ -227,6 +239,7 @@ class Engine:
         if self._state is _State.RUNNING:
             self._state = _State.DRAINING
         self._wake.set()
+        self._changed.unpark_all()
 
     def cancel_all(self, reason: str) -> int:
         """Fail every request now (cause :attr:`FailureCause.SHUTDOWN`), freeing its KV;
@@ -236,6 +249,7 @@ class Engine:
             self._scheduler.abort(request_id)
             self._fail_request(request_id, reason, FailureCause.SHUTDOWN)
         self._wake.set()
+        self._changed.unpark_all()
         return len(request_ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -246,6 +260,22 @@ class Engine:
     def num_requests(self) -> int:
         """Requests accepted and not yet finished, failed or aborted."""
         return len(self._outbox)
+
+    async def wait_statistics(
+        self, condition: Callable[[EngineStatistics], object]
+    ) -> EngineStatistics:
+        """The first :meth:`statistics` snapshot for which ``condition`` holds.
+
+        Checked now and after every change that the statistics show (a request submitted,
+        admitted, stepped, finished, failed or aborted, a session turn ended, the engine
+        stopped or died), so a caller on the Trio thread waits for a state instead of
+        polling for it. The caller bounds the wait (``trio.fail_after``) where the state
+        may never come."""
+        while True:
+            stats = self.statistics()
+            if condition(stats):
+                return stats
+            await self._changed.park()
 
     def statistics(self) -> EngineStatistics:
         pool = self._pool
@@ -290,12 +320,14 @@ class Engine:
         self._scheduler.add(request.request_id, prompt, params, keep_kv=turn is not None)
         receive = self._outbox.open(request.request_id, len(prompt), params.n)
         self._wake.set()
+        self._changed.unpark_all()
         return RequestStream(self, self._text, request.request_id, receive, params, turn)
 
     # -- the loop -------------------------------------------------------------------------
 
     async def _loop(self) -> None:
         while True:
+            self._changed.unpark_all()  # the last step's results, failures, aborts
             if self._state is _State.DEAD:
                 return
             if self._state in (_State.SHUTTING_DOWN, _State.DRAINING) and not (
@@ -312,6 +344,7 @@ class Engine:
                 await self._wake.wait()
                 continue
             self._outbox.admitted(step, trio.current_time())
+            self._changed.unpark_all()
             started = trio.current_time()
             try:
                 sampled = await self._run_step(step)
@@ -363,6 +396,7 @@ class Engine:
         channel ends up closed, so no stream waits forever (a closed channel without a
         :class:`Failed` reads as an aborted request)."""
         self._state = _State.DEAD
+        self._changed.unpark_all()
         self._failure = reason
         try:
             self._scheduler.abort_all()
