@@ -1,7 +1,7 @@
 """Serve an ASGI app on a real hypercorn socket inside a Trio test.
 
 A real socket is the only way to test streaming and disconnects: the in-process ASGI
-transports buffer whole bodies (see ``TRIO-NOTES.md``).
+transports buffer whole bodies (see docs/trio-notes.md).
 """
 
 from __future__ import annotations

@@ -230,7 +230,7 @@ async def test_an_error_answered_before_the_body_leaves_the_connection_usable(
     """A 405 decided from the headers while the client is still sending the body (as
     http.client does for a str body: headers and body in two writes): the next request on
     the same connection is answered. Without the wait for the body, hypercorn's HTTP/1.1
-    protocol left it unanswered."""
+    protocol leaves it unanswered."""
     host, port = served.url.removeprefix("http://").rsplit(":", 1)
     buffer = bytearray()
     async with await trio.open_tcp_stream(host, int(port)) as stream:

@@ -24,10 +24,10 @@ logger = logging.getLogger(__name__)
 
 #: Batch limits when none are configured: a CPU's step time grows with every sequence, so
 #: fewer run at once than on a GPU, whose step barely grows until the batch is large. On
-#: the CPU, 32 rather than 16: with 32 concurrent streams of the default model, 16 left
-#: half of them queued behind whole generations (TTFT p50 1.06 s over HTTP against 0.14 s
-#: with 32, and 4 to 8% less throughput); the price is each stream's ITL, which doubles
-#: when 32 decode instead of 16 (docs/history.md).
+#: the CPU, 32: with 32 concurrent streams of the default model, a limit of 16 leaves half
+#: of them queued behind whole generations, with a higher TTFT and less throughput; the
+#: price is each stream's ITL, which doubles when 32 decode instead of 16 (the figures are
+#: in docs/history.md).
 DEFAULT_LIMITS = {"cpu": (32, 512), "cuda": (128, 4096)}
 
 #: KV memory when none is configured: 46,592 tokens with the default model on a CPU (its
