@@ -7,12 +7,11 @@ into ``build/llama.cpp-<version>/`` of this repository (ignored by git); a secon
 finds it there. On 2 cores the build takes about 17 minutes.
 
 The instruction sets are this CPU's (``/proc/cpuinfo``), named one by one rather than with
-``-march=native``, so that AMX can be left out: on the sandbox these figures come from,
-ggml's AMX matmul crashed llama-server in its warm-up with an illegal instruction. AMX
-itself works there (a small tile program that asks Linux for the tile state first runs,
-and is 4x a VNNI loop; see docs/history.md), so the crash is
-ggml's, and was not looked into. Neither furnace-trio's kernels nor this build use AMX;
-``LLAMA_AMX=1`` builds llama.cpp with it.
+``-march=native``, so that AMX can be left out: on an AMX host (cpu-b in docs/history.md)
+ggml's AMX matmul crashes llama-server in its warm-up with an illegal instruction, while
+AMX itself works there (a small tile program that asks Linux for the tile state first
+runs), so the crash is ggml's; its cause is not known. Neither furnace-trio's kernels nor
+this build use AMX; ``LLAMA_AMX=1`` builds llama.cpp with it.
 
 Order: an explicit path, ``$LLAMA_SERVER``, ``llama-server`` on ``PATH``, a finished build,
 a new build. ``isa="avx2"`` builds without AVX-512 and AVX-VNNI, into ``build-avx2``.
@@ -70,7 +69,7 @@ AMX_FEATURES = {
 }
 
 
-# Left out for ``isa="avx2"``: what the AMD EPYC (AVX2, no AVX-512) does not have.
+# Left out for ``isa="avx2"``: what an AVX2-only CPU (AMD Zen 3: no AVX-512) does not have.
 AVX2_LACKS = {"avx_vnni", "avx512f", "avx512vbmi", "avx512_vnni", "avx512_bf16"}
 
 

@@ -22,18 +22,19 @@ from pathlib import Path
 import torch
 
 from furnace_trio.runtime import native
+from furnace_trio.runtime.native import library
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
 def build(source: Path | None, flags: tuple[str, ...]) -> native.Kernels:
-    saved = native.SOURCE
+    saved = library.SOURCE
     if source is not None:
-        native.SOURCE = source
+        library.SOURCE = source
     try:
-        kernels = native.load(flags)
+        kernels = native.load(extra_flags=flags)
     finally:
-        native.SOURCE = saved
+        library.SOURCE = saved
     if kernels is None:
         raise SystemExit("the native kernels did not build (a C compiler is needed)")
     return kernels

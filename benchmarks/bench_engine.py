@@ -34,7 +34,7 @@ from _common import (
 )
 
 from furnace_trio.core.params import SamplingParams
-from furnace_trio.engine.engine import Delta, Engine, GenerationRequest
+from furnace_trio.engine import Delta, Engine, GenerationRequest
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.loading.loader import LoadedModel, load_model
 from furnace_trio.runtime.runner import ModelRunner

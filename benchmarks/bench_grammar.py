@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import PROMPTS, chat_ids
 
 from furnace_trio.core.params import SamplingParams
-from furnace_trio.engine.engine import Delta, Engine, EngineConfig, GenerationRequest
+from furnace_trio.engine import Delta, Engine, EngineConfig, GenerationRequest
 from furnace_trio.loading.loader import load_model
 from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
 from furnace_trio.tools.grammar import GrammarCompiler

@@ -33,7 +33,7 @@ from bench_engine import Result
 from hypercorn.config import Config
 from quart_trio import QuartTrio
 
-from furnace_trio.engine.engine import Engine
+from furnace_trio.engine import Engine
 from furnace_trio.loading.loader import LoadedModel
 from furnace_trio.server.app import create_app
 from furnace_trio.server.backend import Backend

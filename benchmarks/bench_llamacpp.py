@@ -38,7 +38,7 @@ servers did the same work; both servers' greedy answers to one prompt are printe
 Without ``--llama-server`` (or ``$LLAMA_SERVER``, or ``llama-server`` on ``PATH``) it
 builds one from PyPI's ``llama-cpp-python`` sources first (``_llama_server.py``).
 
-``--isa avx2`` runs both without AVX-512, as on the issue's AMD EPYC: furnace-trio with
+``--isa avx2`` runs both without AVX-512, as on an AVX2-only CPU (AMD Zen 3): furnace-trio with
 ``FURNACE_NATIVE_FLAGS=-mno-avx512f`` (its AVX2 kernels, which use no AVX-VNNI), llama.cpp
 built without AVX-512 and AVX-VNNI (``build-avx2``). The memory and the cores stay this
 machine's.

@@ -103,7 +103,7 @@ def main() -> None:
     from hypercorn.trio import serve
 
     from furnace_trio.core.params import SamplingParams
-    from furnace_trio.engine.engine import Delta, GenerationRequest
+    from furnace_trio.engine import Delta, GenerationRequest
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quant", default="q4")

@@ -45,7 +45,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from furnace_trio.core.plan import SampledToken, StepPlan
-from furnace_trio.engine.engine import Engine, EngineConfig
+from furnace_trio.engine import Engine, EngineConfig
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.loading.default_model import default_model_path
 from furnace_trio.loading.tokenizer import Tokenizer

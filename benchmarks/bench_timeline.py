@@ -48,7 +48,7 @@ from hypercorn.trio import serve as serve_asgi
 from trio.lowlevel import TrioToken
 
 from furnace_trio.core.plan import StepPlan
-from furnace_trio.engine.engine import RequestStream
+from furnace_trio.engine import RequestStream
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.runtime.runner import ModelRunner
 

@@ -1,7 +1,7 @@
 """Serve an ASGI app on a real hypercorn socket inside a Trio test.
 
 A real socket is the only way to test streaming and disconnects: the in-process ASGI
-transports buffer whole bodies (see ``TRIO-NOTES.md``).
+transports buffer whole bodies (see docs/trio-notes.md).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from dataclasses import dataclass, field  # noqa: E402
 
 import pytest  # noqa: E402
 
-from furnace_trio.engine.engine import Engine, EngineConfig  # noqa: E402
+from furnace_trio.engine import Engine, EngineConfig, EngineStatistics  # noqa: E402
 from furnace_trio.loading.tokenizer import Tokenizer  # noqa: E402
 from furnace_trio.server.app import STATE_KEY, ServerState, create_app  # noqa: E402
 from furnace_trio.server.backend import Backend  # noqa: E402
@@ -101,15 +101,17 @@ class Served:
     def state(self) -> ServerState:
         return self.app.extensions[STATE_KEY]  # type: ignore[no-any-return]
 
-    async def wait_idle(self, *, tries: int = 500, sessions_may_hold: bool = False) -> None:
-        """Poll (bounded) until nothing runs or waits and every KV block is free (or, with
+    async def wait_idle(self, *, timeout_s: float = 5.0, sessions_may_hold: bool = False) -> None:
+        """Wait (bounded) until nothing runs or waits and every KV block is free (or, with
         ``sessions_may_hold``, held only by sessions a client opened and left open)."""
-        for _ in range(tries):
-            stats = self.engine.statistics()
+
+        def idle(stats: EngineStatistics) -> bool:
             held = stats.session_pinned_blocks if sessions_may_hold else 0
-            if stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == held:
-                return
-            await trio.sleep(0.01)
+            return stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == held
+
+        with trio.move_on_after(timeout_s):
+            await self.engine.wait_statistics(idle)
+            return
         raise AssertionError(f"engine not idle: {self.engine.statistics()}")
 
 

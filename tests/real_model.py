@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from furnace_trio.engine.engine import Engine, EngineConfig
+from furnace_trio.engine import Engine, EngineConfig
 from furnace_trio.loading.default_model import DefaultModelMissingError
 from furnace_trio.loading.loader import LoadedModel, load_model
 from furnace_trio.runtime.runner import ModelRunner, RunnerConfig

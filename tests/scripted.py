@@ -156,6 +156,24 @@ class ScriptedRunner:
         return SampledToken(seq_id, token, -0.5, top)
 
 
+class _UnreadableToken:
+    """A sampled token whose ``seq_id`` raises: reading the step's results fails inside the
+    engine task, as a bug in the engine would (a raising step fails only its requests)."""
+
+    @property
+    def seq_id(self) -> int:
+        raise RuntimeError("scheduler bug")
+
+
+class EngineKillingRunner(ScriptedRunner):
+    """Steps return a token the engine cannot read, so the first step kills the engine task
+    (what a bug in the engine does): the public way for a test to reach a dead engine."""
+
+    def step(self, plan: StepPlan) -> list[SampledToken]:
+        super().step(plan)
+        return [_UnreadableToken()]  # type: ignore[list-item]
+
+
 def prompt_score(seq_id: int, token_id: int, top: int) -> SampledToken:
     """The scripted score of a prompt token: its logprob ``-token_id / 100``, and ``top``
     alternatives (the token itself first, then the next ids, each 1 less likely)."""

@@ -11,7 +11,7 @@ import trio
 
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import StepPlan
-from furnace_trio.engine.engine import (
+from furnace_trio.engine import (
     Delta,
     Engine,
     EngineConfig,

@@ -6,11 +6,13 @@ Timing is never asserted: steps are counted through the plans the runner recorde
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import trio
 
 from furnace_trio.core.params import SamplingParams
-from furnace_trio.engine.engine import (
+from furnace_trio.engine import (
     Admitted,
     Delta,
     EngineBusy,
@@ -247,3 +249,22 @@ async def test_statistics_count_tokens_and_outcomes() -> None:
     assert stats.decode_step_time.count >= 3
     assert stats.kv_blocks_total == 256
     assert stats.time_to_first_token.counts[-1] == 2
+
+
+async def test_wait_statistics_returns_the_first_snapshot_that_meets_the_condition() -> None:
+    """A waiter wakes on the engine's changes, not on a clock: here on an admission while
+    its step is still blocked on the model thread, then on an abort."""
+    gate = threading.Event()
+    runner = ScriptedRunner({encode("A"): encode("a" * 8)}, gate=gate)
+    async with serving(runner) as engine:
+        try:
+            with trio.fail_after(5):
+                stream = engine.submit(request("A", max_tokens=8))
+                running = await engine.wait_statistics(lambda s: s.running == 1)
+                assert running.waiting == 0 and running.requests["aborted"] == 0
+                assert not gate.is_set() and len(runner.plans) <= 1
+                stream.close()
+                aborted = await engine.wait_statistics(lambda s: s.requests["aborted"] == 1)
+                assert aborted.running == 0 and aborted.requests_in_flight == 0
+        finally:
+            gate.set()

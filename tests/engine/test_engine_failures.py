@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from furnace_trio.core.plan import SampledToken, StepPlan
-from furnace_trio.engine.engine import (
+from furnace_trio.engine import (
     Admitted,
     Delta,
     Engine,
@@ -19,7 +18,7 @@ from furnace_trio.engine.engine import (
     Failed,
 )
 
-from ..scripted import EOS, ScriptedRunner, decode, encode
+from ..scripted import EOS, EngineKillingRunner, ScriptedRunner, decode, encode
 from .harness import (
     chunks_of,
     collect,
@@ -158,23 +157,8 @@ async def test_a_failing_step_spares_requests_not_in_it() -> None:
     assert out_a.text == {0: "aaaa"}
 
 
-class _UnreadableToken:
-    """A sampled token whose ``seq_id`` raises: reading the step's results fails inside the
-    engine task, as a bug in the engine would (a raising step fails only its requests)."""
-
-    @property
-    def seq_id(self) -> int:
-        raise RuntimeError("scheduler bug")
-
-
-class UnreadableOutputRunner(ScriptedRunner):
-    def step(self, plan: StepPlan) -> list[SampledToken]:
-        super().step(plan)
-        return [_UnreadableToken()]  # type: ignore[list-item]
-
-
 async def test_engine_task_death_fails_everyone_and_refuses_new_requests() -> None:
-    runner = UnreadableOutputRunner({encode("A"): encode("a" * 20)})
+    runner = EngineKillingRunner({encode("A"): encode("a" * 20)})
     async with serving(runner, EngineConfig(max_running=1, max_step_tokens=4)) as engine:
         outs = await collect_all(
             [engine.submit(request("A", max_tokens=5)), engine.submit(request("B", max_tokens=5))]

@@ -8,7 +8,7 @@ import trio
 
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import ChunkPlan, StepPlan
-from furnace_trio.engine.engine import (
+from furnace_trio.engine import (
     Admitted,
     Delta,
     Engine,

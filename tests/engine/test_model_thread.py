@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from furnace_trio.engine.engine import Engine, EngineConfig
+from furnace_trio.engine import Engine, EngineConfig
 from furnace_trio.engine.model_thread import ModelThread
 
 from ..scripted import EOS, ScriptedRunner, decode, token_bytes

@@ -14,8 +14,8 @@ import trio
 
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import SampledToken
+from furnace_trio.engine import Admitted, Engine, EngineConfig, GenerationRequest
 from furnace_trio.engine.block_pool import BlockPool, block_key, prefix_keys
-from furnace_trio.engine.engine import Admitted, Engine, EngineConfig, GenerationRequest
 from furnace_trio.engine.kv_cache_manager import KVCacheManager
 from furnace_trio.engine.scheduler import Scheduler
 

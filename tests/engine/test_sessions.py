@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from furnace_trio.core.params import SamplingParams
-from furnace_trio.engine.engine import Admitted, Engine, EngineConfig, GenerationRequest
+from furnace_trio.engine import Admitted, Engine, EngineConfig, GenerationRequest
 from furnace_trio.engine.sessions import (
     SessionBusy,
     SessionNotFound,

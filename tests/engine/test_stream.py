@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from furnace_trio.engine.engine import (
+from furnace_trio.engine import (
     Delta,
     EngineConfig,
     Finished,

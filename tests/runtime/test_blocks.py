@@ -38,7 +38,7 @@ K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
 
 @pytest.fixture(scope="module", params=list(BUILDS))
 def kernels(request: pytest.FixtureRequest) -> native.Kernels:
-    k = native.load(BUILDS[request.param])
+    k = native.load(extra_flags=BUILDS[request.param])
     assert k is not None, "the native kernels must build on the test machine (a C compiler)"
     assert (k.vector_width == 1) == (request.param == "plain-c")
     return k

@@ -2,8 +2,9 @@
 
 Every kernel is compared with a plain torch computation of the same math. The int8 linear
 kernel's batch invariance is claimed bitwise, so it is tested with ``torch.equal``. The
-build itself is exercised too: the cache, ``FURNACE_NATIVE=0``, a missing compiler and a
-source that does not compile (the last three must leave the server on torch kernels).
+build itself is exercised too: the cache, the flags and cache directory of its
+:class:`NativeConfig`, a missing compiler and a source that does not compile (the last two
+must leave the server on torch kernels).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from furnace_trio.runtime import native
+from furnace_trio.runtime.native import library
+from furnace_trio.runtime.native.config import NativeConfig
 from furnace_trio.runtime.quant import (
     NativeInt8Linear,
     NativeQ4Linear,
@@ -39,7 +42,7 @@ BUILDS = {
 
 @pytest.fixture(scope="module", params=list(BUILDS))
 def kernels(request: pytest.FixtureRequest) -> native.Kernels:
-    k = native.load(BUILDS[request.param])
+    k = native.load(extra_flags=BUILDS[request.param])
     assert k is not None, "the native kernels must build on the test machine (a C compiler)"
     if request.param == "plain-c":
         assert k.vector_width == 1
@@ -57,24 +60,21 @@ def test_build_is_cached_per_machine() -> None:
     assert kernels.path.is_file()
     assert kernels.path.parent == native.cache_dir()
     assert native.load() is kernels  # built and loaded once per process
-    assert native.load(("-march=x86-64",)) is not kernels
+    assert native.load(extra_flags=("-march=x86-64",)) is not kernels
 
 
-def test_flags_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``FURNACE_NATIVE_FLAGS`` picks the build the runner loads (here the plain-C one)."""
-    monkeypatch.setenv("FURNACE_NATIVE_FLAGS", "-march=x86-64")
-    kernels = native.load()
+def test_flags_from_the_config() -> None:
+    """The config's flags pick the build (here the plain-C one)."""
+    kernels = native.load(NativeConfig(flags=("-march=x86-64",)))
     assert kernels is not None
     assert kernels.vector_width == 1
-    monkeypatch.delenv("FURNACE_NATIVE_FLAGS")
-    assert native.load(("-march=x86-64",)) is kernels  # the same flags, the same build
+    assert native.load(extra_flags=("-march=x86-64",)) is kernels  # same flags, same build
     assert native.load() is not kernels
 
 
-def test_fresh_build_in_an_empty_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_fresh_build_in_an_empty_cache(tmp_path: Path) -> None:
     """What a new machine does on first start: compile, cache, load, compute."""
-    monkeypatch.setenv("FURNACE_CACHE_DIR", str(tmp_path))
-    kernels = native.load()
+    kernels = native.load(NativeConfig(cache_dir=tmp_path))
     assert kernels is not None
     assert kernels.path.parent == tmp_path and kernels.path.is_file()
     q, scale = quantize_weight(torch.randn(70, 48))
@@ -84,17 +84,9 @@ def test_fresh_build_in_an_empty_cache(monkeypatch: pytest.MonkeyPatch, tmp_path
     torch.testing.assert_close(out, _w8_reference(x, q, scale, None), rtol=1e-5, atol=1e-4)
 
 
-def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FURNACE_NATIVE", "0")
-    assert native.load() is None
-
-
-def test_missing_compiler_falls_back(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setenv("CC", "/nonexistent/cc")
-    with caplog.at_level(logging.WARNING, logger="furnace_trio.runtime.native"):
-        assert native.load() is None
+def test_missing_compiler_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="furnace_trio.runtime.native.library"):
+        assert native.load(NativeConfig(compiler="/nonexistent/cc")) is None
     assert "no C compiler" in caplog.text
 
 
@@ -103,10 +95,9 @@ def test_build_failure_falls_back(
 ) -> None:
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(native, "SOURCE", bad)
-    monkeypatch.setenv("FURNACE_CACHE_DIR", str(tmp_path / "cache"))
-    with caplog.at_level(logging.WARNING, logger="furnace_trio.runtime.native"):
-        assert native.load() is None
+    monkeypatch.setattr(library, "SOURCE", bad)
+    with caplog.at_level(logging.WARNING, logger="furnace_trio.runtime.native.library"):
+        assert native.load(NativeConfig(cache_dir=tmp_path / "cache")) is None
     assert "build failed" in caplog.text
     assert not list((tmp_path / "cache").glob("*.so"))  # no half-built library is kept
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 import trio
 
-from furnace_trio.engine.engine import EngineConfig
+from furnace_trio.engine import EngineConfig
 
 from .. import scripted
 from ..http_server import ANSWERS, MODEL_NAME, Served, serve_scripted

@@ -14,12 +14,12 @@ from collections.abc import Sequence
 import httpx
 import openai
 
-from furnace_trio.engine.engine import EngineConfig
+from furnace_trio.engine import EngineConfig
 
 from .. import scripted
 from ..http_server import MODEL_NAME, Served, serve_scripted
 from .test_app_disconnect import aborted
-from .waiting import wait_until
+from .waiting import engine_reaches, wait_until
 
 
 def answer(prompt: Sequence[int], index: int) -> str:
@@ -146,7 +146,7 @@ async def test_leaving_a_batched_stream_aborts_every_prompt() -> None:
                     seen.update(c["index"] for c in json.loads(line[6:])["choices"])
                 if seen == {0, 1, 2}:
                     break
-        await wait_until(lambda: aborted(served) == 3)
+        await engine_reaches(served.engine, lambda s: s.requests["aborted"] == 3)
         await served.wait_idle()
         assert served.engine.num_requests == 0
         await wait_until(lambda: tasks(served) == before)  # the group's tasks ended too

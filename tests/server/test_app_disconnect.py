@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import trio
 
-from furnace_trio.engine.engine import EngineConfig
+from furnace_trio.engine import EngineConfig
 
 from .. import scripted
 from ..http_server import ANSWERS, Served, default_script, scripted_app, serve_scripted
-from .waiting import engine_idle, wait_until
+from .waiting import engine_idle, engine_reaches
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -41,12 +41,12 @@ async def test_disconnect_while_queued() -> None:
             first.append(await http.post("/v1/chat/completions", json=CHAT))
 
         nursery.start_soon(post_first)
-        await wait_until(lambda: served.engine.statistics().running == 1)
+        await engine_reaches(served.engine, lambda s: s.running == 1)
         queued = trio.CancelScope()
         nursery.start_soon(_post_in, http, queued)
-        await wait_until(lambda: served.engine.statistics().waiting == 1)
+        await engine_reaches(served.engine, lambda s: s.waiting == 1)
         queued.cancel()
-        await wait_until(lambda: served.engine.statistics().waiting == 0)
+        await engine_reaches(served.engine, lambda s: s.waiting == 0)
         assert aborted(served) == 1
         gate.set()
     assert first[0].json()["choices"][0]["message"]["content"] == ANSWERS[0]
@@ -66,9 +66,10 @@ async def test_disconnect_during_prefill() -> None:
             "POST", "/v1/chat/completions", json={**CHAT, "stream": True}
         ) as response:
             assert response.status_code == 200
-            await wait_until(lambda: len(runner.plans) == 1)  # the prefill step is in flight
+            # the prefill step is in flight (admitted, so handed to the model thread)
+            await engine_reaches(served.engine, lambda s: s.running == 1)
         # Leaving the block closed the connection mid-body.
-        await wait_until(lambda: aborted(served) == 1)
+        await engine_reaches(served.engine, lambda s: s.requests["aborted"] == 1)
         gate.set()
         await served.wait_idle()
 
@@ -142,4 +143,4 @@ async def test_disconnect_before_the_body_starts() -> None:
         assert [m["type"] for m in sent] == ["http.response.start"]
         assert engine.statistics().requests["aborted"] == 1
         gate.set()
-        await wait_until(lambda: engine_idle(engine), "an idle engine")
+        await engine_reaches(engine, engine_idle, "an idle engine")

@@ -11,11 +11,11 @@ import openai
 import pytest
 import trio
 
-from furnace_trio.engine.engine import EngineConfig
+from furnace_trio.engine import EngineConfig
 
 from .. import scripted
 from ..http_server import ANSWERS, MODEL_NAME, Served, default_script, serve_scripted
-from .waiting import wait_until
+from .waiting import engine_reaches, wait_until
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -139,9 +139,9 @@ async def test_busy_is_503_with_retry_after() -> None:
             results.append(response.status_code)
 
         nursery.start_soon(post)  # runs (its first step blocks on the gate)
-        await wait_until(lambda: served.engine.statistics().running == 1, "one running")
+        await engine_reaches(served.engine, lambda s: s.running == 1, "one running")
         nursery.start_soon(post)  # waits
-        await wait_until(lambda: served.engine.statistics().waiting == 1, "one waiting")
+        await engine_reaches(served.engine, lambda s: s.waiting == 1, "one waiting")
         busy = await http.post("/v1/chat/completions", json={"messages": MESSAGES})
         error = check_error(busy, 503)
         assert busy.headers["retry-after"] == "1"
@@ -182,8 +182,7 @@ async def test_model_failure_mid_stream_is_an_sse_error_event() -> None:
 
 
 async def test_dead_engine_gives_503_and_health_503() -> None:
-    async with serve_scripted() as served:
-        served.engine._scheduler.update = _boom  # type: ignore[method-assign]  # kill the loop
+    async with serve_scripted(scripted.EngineKillingRunner(default_script)) as served:
         async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="k", max_retries=0) as c:
             stream = await c.chat.completions.create(
                 model=MODEL_NAME,
@@ -193,7 +192,7 @@ async def test_dead_engine_gives_503_and_health_503() -> None:
             with pytest.raises(openai.APIError, match="engine failed"):
                 async for _ in stream:
                     pass
-            await wait_until(lambda: not served.state.engine_running, "the engine stopped")
+            await engine_reaches(served.engine, lambda s: not s.alive, "the engine stopped")
             with pytest.raises(openai.InternalServerError) as info:
                 await c.chat.completions.create(model=MODEL_NAME, messages=MESSAGES)  # type: ignore[arg-type]
             assert info.value.status_code == 503
@@ -201,10 +200,6 @@ async def test_dead_engine_gives_503_and_health_503() -> None:
             health = await http.get("/health")
             assert health.status_code == 503 and health.json()["status"] == "unavailable"
             assert "furnace_engine_up 0" in (await http.get("/metrics")).text
-
-
-def _boom(*args: object) -> None:
-    raise RuntimeError("scheduler bug")
 
 
 async def _read_response(
@@ -235,7 +230,7 @@ async def test_an_error_answered_before_the_body_leaves_the_connection_usable(
     """A 405 decided from the headers while the client is still sending the body (as
     http.client does for a str body: headers and body in two writes): the next request on
     the same connection is answered. Without the wait for the body, hypercorn's HTTP/1.1
-    protocol left it unanswered."""
+    protocol leaves it unanswered."""
     host, port = served.url.removeprefix("http://").rsplit(":", 1)
     buffer = bytearray()
     async with await trio.open_tcp_stream(host, int(port)) as stream:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import trio
 
-from furnace_trio.engine.engine import Engine
+from furnace_trio.engine import Engine
 
 from ..real_model import (
     NAME,
@@ -23,11 +23,11 @@ from ..real_model import (
     default_runner,
     serve_real,
 )
-from .waiting import engine_idle, wait_until
+from .waiting import engine_idle, engine_reaches
 
 
 async def _idle(engine: Engine) -> None:
-    await wait_until(lambda: engine_idle(engine), "an idle engine")
+    await engine_reaches(engine, engine_idle, "an idle engine")
 
 
 async def test_chat_streaming_and_not_with_the_real_model() -> None:

@@ -12,7 +12,7 @@ import trio
 
 from .. import scripted
 from ..http_server import ANSWERS, MODEL_NAME, Served, serve_scripted
-from .waiting import wait_until
+from .waiting import engine_reaches
 
 USER = {"role": "user", "content": "Say hello, and tell me about the weather in Paris today."}
 
@@ -116,13 +116,15 @@ async def test_concurrent_turn_gets_409_and_cancelled_turn_changes_nothing() -> 
                     await turn(c, "busy", "second", max_tokens=30)
 
             nursery.start_soon(in_flight)
-            await wait_until(lambda: served.engine.statistics().running, "the turn in flight")
+            await engine_reaches(served.engine, lambda s: s.running, "the turn in flight")
             with pytest.raises(openai.ConflictError):
                 await turn(c, "busy", "concurrent")
             cancel.cancel()  # the client goes away mid-turn
         gate.set()
-        await wait_until(
-            lambda: not served.engine.get_session("busy", _owner("alice")).busy, "an idle session"
+        await engine_reaches(
+            served.engine,
+            lambda _: not served.engine.get_session("busy", _owner("alice")).busy,
+            "an idle session",
         )
         after = served.engine.get_session("busy", _owner("alice"))
         assert (list(after.messages), after.token_ids, after.blocks, after.rng_state) == snapshot

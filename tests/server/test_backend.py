@@ -3,13 +3,16 @@ the default model's tokenizer (with a scripted runner: no model step runs)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import trio
 
 from furnace_trio.core.params import SamplingParams
-from furnace_trio.engine.engine import Delta, GenerationRequest
+from furnace_trio.engine import Delta, GenerationRequest
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.loading.tokenizer import Tokenizer
-from furnace_trio.server.backend import DEFAULT_LIMITS, build_engine, engine_config
+from furnace_trio.runtime.native.config import NativeConfig
+from furnace_trio.server.backend import DEFAULT_LIMITS, build_engine, engine_config, runner_config
 from furnace_trio.server.config import ServerConfig
 from furnace_trio.text.detokenizer import ByteDetokenizer
 
@@ -43,6 +46,27 @@ def test_engine_config_fills_in_the_device_defaults() -> None:
         assert engine.stream_interval == 1
     # a max_running above the device's step budget raises the budget with it
     assert engine_config(ServerConfig(max_running=600), "cpu").max_step_tokens == 600
+
+
+def test_runner_config_takes_the_native_kernel_settings(tmp_path: Path) -> None:
+    """``FURNACE_NATIVE``, ``FURNACE_NATIVE_FLAGS``, ``FURNACE_CACHE_DIR`` and ``CC`` reach the
+    runner through the configs; the runtime reads no environment."""
+    environ = {
+        "FURNACE_NATIVE": "0",
+        "FURNACE_NATIVE_FLAGS": "-mno-avx512f -DNAME='a b'",
+        "FURNACE_CACHE_DIR": str(tmp_path),
+        "CC": "clang",
+        "FURNACE_KV_CACHE_MB": "8",
+    }
+    settings = runner_config(ServerConfig.from_env(environ), "cpu", "cpu")
+    assert settings.native is False
+    build = settings.native_build
+    assert build == NativeConfig(("-mno-avx512f", "-DNAME=a b"), tmp_path, "clang")
+    assert build.directory == tmp_path
+    defaults = runner_config(ServerConfig.from_env({"XDG_CACHE_HOME": str(tmp_path)}), "cpu", "cpu")
+    assert defaults.native is True
+    assert defaults.native_build.directory == tmp_path / "furnace-trio"
+    assert defaults.native_build.flags == () and defaults.native_build.compiler == "cc"
 
 
 async def test_the_servers_engine_streams_through_the_decode_table(tokenizer: Tokenizer) -> None:

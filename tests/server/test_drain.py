@@ -20,13 +20,13 @@ import hypercorn.trio
 import trio
 from hypercorn.config import Config
 
-from furnace_trio.engine.engine import Engine, EngineConfig
+from furnace_trio.engine import Engine, EngineConfig
 from furnace_trio.server.config import ServerConfig
 from furnace_trio.server.lifecycle import drain_then
 
 from .. import scripted
 from ..http_server import scripted_app
-from .waiting import wait_until
+from .waiting import engine_reaches
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -76,7 +76,7 @@ async def _read_stream(
 
 
 async def _wait_running(engine: Engine, count: int) -> None:
-    await wait_until(lambda: engine.statistics().running >= count, f"{count} running")
+    await engine_reaches(engine, lambda s: s.running >= count, f"{count} running")
 
 
 async def test_stream_in_flight_completes_within_the_drain_and_new_requests_get_503() -> None:

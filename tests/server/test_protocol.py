@@ -289,6 +289,8 @@ def test_server_config_from_env() -> None:
         ("FURNACE_QUANT", "int4"),
         ("FURNACE_STREAM_INTERVAL", "0"),
         ("FURNACE_KV_CACHE_DTYPE", "fp8"),
+        ("FURNACE_NATIVE", "perhaps"),
+        ("FURNACE_NATIVE_FLAGS", "-DX='unclosed"),
     ],
 )
 def test_server_config_rejects_invalid_values(name: str, value: str) -> None:

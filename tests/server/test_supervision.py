@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from furnace_trio.core.params import SamplingParams
-from furnace_trio.engine.engine import (
+from furnace_trio.engine import (
     Engine,
     EngineConfig,
     EngineUnavailable,
@@ -25,7 +25,7 @@ from furnace_trio.server.lifecycle import ENGINE_FAILURE_EXIT
 
 from .. import scripted
 from ..http_server import MODEL_NAME, default_script, serve_scripted
-from .waiting import wait_until
+from .waiting import engine_reaches
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 #: A real (short) watchdog: virtual time cannot be used while a worker thread runs.
@@ -103,10 +103,16 @@ async def test_watchdog_over_http_errors_everyone_and_health_fails() -> None:
 
 
 async def test_exit_on_engine_failure_calls_exit_after_the_errors_went_out() -> None:
-    async with serve_scripted(exit_on_engine_failure=True) as served:
+    runner = scripted.EngineKillingRunner(default_script)
+    async with serve_scripted(runner, exit_on_engine_failure=True) as served:
         exits: list[int] = []
-        served.state.exit_process = exits.append
-        served.engine._scheduler.update = _boom  # type: ignore[method-assign]
+        exited = trio.Event()
+
+        def exit_process(code: int) -> None:
+            exits.append(code)
+            exited.set()
+
+        served.state.exit_process = exit_process
         async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="k", max_retries=0) as c:
             stream = await c.chat.completions.create(
                 model=MODEL_NAME,
@@ -117,7 +123,8 @@ async def test_exit_on_engine_failure_calls_exit_after_the_errors_went_out() -> 
                 async for _ in stream:
                     pass
         # the supervisor waits EXIT_GRACE_S, then exits
-        await wait_until(lambda: exits, "the exit", timeout_s=3.0)
+        with trio.fail_after(3.0):
+            await exited.wait()
         assert exits == [ENGINE_FAILURE_EXIT]
 
 
@@ -128,16 +135,11 @@ async def test_no_exit_without_the_setting_or_on_a_normal_stop() -> None:
         async with httpx.AsyncClient(base_url=served.url) as http:
             assert (await http.get("/health")).status_code == 200
     assert exits == []  # a shutdown is not a failure
-    async with serve_scripted() as served:
+    async with serve_scripted(scripted.EngineKillingRunner(default_script)) as served:
         served.state.exit_process = exits.append
-        served.engine._scheduler.update = _boom  # type: ignore[method-assign]
         async with httpx.AsyncClient(base_url=served.url, timeout=30) as http:
             response = await http.post("/v1/chat/completions", json={"messages": MESSAGES})
             assert response.status_code == 503
-            await wait_until(lambda: not served.state.engine_running, "the engine stopped")
+            await engine_reaches(served.engine, lambda s: not s.alive, "the engine stopped")
             await trio.testing.wait_all_tasks_blocked()  # the supervisor has done its part
     assert exits == []
-
-
-def _boom(*args: object) -> None:
-    raise RuntimeError("scheduler bug")

@@ -9,16 +9,17 @@ and :meth:`Engine.abort`, which run on the same Trio thread, so there are no loc
 
 - Aborts take effect at once (blocks freed synchronously); a request submitted while a
   step runs joins the next step (continuous batching).
-- Tokens go out with ``send_nowait`` on each request's unbounded channel (bounded in
-  practice by ``max_tokens``), so the engine never waits on a slow client; a closed
+- Tokens go out through the :class:`~furnace_trio.engine.delivery.Outbox`, with
+  ``send_nowait`` on each request's unbounded channel (bounded in practice by
+  ``max_tokens``), so the engine never waits on a slow client; a closed
   channel means the client left, and the request is aborted. With ``stream_interval``
   N > 1, a sample's first token goes out at once and the rest in groups of N (and at its
-  end), each group one message and one :class:`Delta`: the consumer's task wakes, and the
+  end), each group one message and one :class:`~furnace_trio.engine.events.Delta`: the consumer's task wakes, and the
   HTTP layer writes a chunk, once per group instead of once per token.
 - Text work runs in the consumer's task (:mod:`~furnace_trio.engine.stream`), which
   reaches the engine only through :class:`~furnace_trio.engine.stream.StreamOwner`.
 - Failure isolation: a raising ``runner.step`` fails only the requests of that plan. If the
-  engine task itself dies (a bug), every stream gets :class:`Failed`, :attr:`Engine.alive`
+  engine task itself dies (a bug), every stream gets :class:`~furnace_trio.engine.events.Failed`, :attr:`Engine.alive`
   turns false and :meth:`Engine.submit` raises :class:`EngineUnavailable`: no request
   ever hangs. :meth:`Engine.run` then returns instead of raising, because an exception
   escaping quart-trio's lifespan nursery is only logged while the server goes on.
@@ -38,13 +39,11 @@ and :meth:`Engine.abort`, which run on the same Trio thread, so there are no loc
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -52,61 +51,18 @@ import trio
 from furnace_trio.core.plan import SampledToken, StepRunner
 from furnace_trio.engine.block_pool import BlockPool
 from furnace_trio.engine.config import EngineConfig
-from furnace_trio.engine.errors import (
-    EngineBusy,
-    EngineError,
-    EngineUnavailable,
-    RequestRejected,
-    RequestTooLarge,
-    check_request,
-)
-from furnace_trio.engine.events import (
-    Admitted,
-    Delta,
-    Event,
-    Failed,
-    FailureCause,
-    Finished,
-    GenerationRequest,
-    LogprobEntry,
-    TopLogprob,
-)
+from furnace_trio.engine.delivery import Outbox
+from furnace_trio.engine.errors import EngineBusy, EngineError, EngineUnavailable, check_request
+from furnace_trio.engine.events import FailureCause, GenerationRequest
 from furnace_trio.engine.kv_cache_manager import KVCacheManager
-from furnace_trio.engine.messages import Finish, Message, PromptScores, Tokens
 from furnace_trio.engine.model_thread import ModelThread
-from furnace_trio.engine.scheduler import (
-    FinishReason,
-    SampleOutput,
-    ScheduledStep,
-    Scheduler,
-    StepMismatch,
-)
+from furnace_trio.engine.scheduler import FinishReason, ScheduledStep, Scheduler, StepMismatch
 from furnace_trio.engine.session_turns import SessionTurns
 from furnace_trio.engine.sessions import Session, SessionReply, SessionStore, Turn
 from furnace_trio.engine.stats import EngineMetrics, EngineStatistics
 from furnace_trio.engine.stream import RequestStream, TokenText
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "Admitted",
-    "Delta",
-    "Engine",
-    "EngineBusy",
-    "EngineConfig",
-    "EngineError",
-    "EngineUnavailable",
-    "Event",
-    "Failed",
-    "FailureCause",
-    "Finished",
-    "GenerationRequest",
-    "LogprobEntry",
-    "RequestRejected",
-    "RequestStream",
-    "RequestTooLarge",
-    "TopLogprob",
-]
 
 
 _DEFAULT_CONFIG = EngineConfig()  # frozen, so one default is safe to share
@@ -119,23 +75,6 @@ class _State(enum.Enum):
     DRAINING = "draining"
     STOPPED = "stopped"
     DEAD = "dead"
-
-
-@dataclass(slots=True, eq=False)
-class _Request:
-    """The engine's side of a request: its channel, timings, and samples still going."""
-
-    request_id: str
-    num_prompt_tokens: int
-    send: trio.MemorySendChannel[Message]
-    submitted_at: float
-    done: list[bool]
-    live: int
-    last_token_at: list[float | None]
-    first_token_at: float | None = None
-    any_length: bool = False
-    # per sample index, tokens held back for the next group (stream_interval > 1)
-    held: dict[int, list[SampledToken]] = field(default_factory=dict)
 
 
 class Engine:
@@ -168,7 +107,6 @@ class Engine:
             max_context=self.max_context,
             eos_token_ids=eos_token_ids,
         )
-        self._requests: dict[str, _Request] = {}
         max_blocks = config.session_max_blocks
         self.sessions = SessionStore(
             ttl_s=config.session_ttl_s,
@@ -185,6 +123,14 @@ class Engine:
         self._state = _State.NEW
         self._failure: str | None = None
         self._metrics = EngineMetrics()
+        # Tasks in wait_statistics, woken after every change that statistics() shows.
+        self._changed = trio.lowlevel.ParkingLot()
+        self._outbox = Outbox(
+            self._metrics,
+            config.stream_interval,
+            on_closed=self.abort,
+            on_finished=self._turns.finished,
+        )
 
     # -- public surface -------------------------------------------------------------------
 
@@ -215,8 +161,10 @@ class Engine:
             raise
         finally:
             self._model_thread.close()  # an abandoned step still finishes first
+            self._changed.unpark_all()
         if self._state in (_State.SHUTTING_DOWN, _State.DRAINING):
             self._state = _State.STOPPED
+            self._changed.unpark_all()
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Queue a request; its stream yields its events. Raises the :class:`EngineError`\\ s."""
@@ -225,24 +173,25 @@ class Engine:
         except EngineError:
             self._metrics.count("rejected")
             raise
+        finally:
+            self._changed.unpark_all()
 
     def abort(self, request_id: str) -> None:
         """Drop a request in any state, freeing its KV blocks now; end its session turn
         uncommitted if it has one. Idempotent."""
-        request = self._requests.pop(request_id, None)
-        if request is not None:
+        if self._outbox.close(request_id):
             self._scheduler.abort(request_id)
             self._metrics.count("aborted")
-            request.send.close()
         self._turns.end_for(request_id)
+        self._changed.unpark_all()
 
     def stop_sample(self, request_id: str, index: int) -> None:
         """End one sample as 'stop' (a stop string matched in its stream). Never awaits."""
-        request = self._requests.get(request_id)
-        if request is None or request.done[index]:
+        if not self._outbox.sample_open(request_id, index):
             return
         self._scheduler.abort_sample(request_id, index)
-        self._finish_sample(request, index, FinishReason.STOP)
+        self._outbox.finish_sample(request_id, index, FinishReason.STOP)
+        self._changed.unpark_all()
 
     # -- sessions -------------------------------------------------------------------------
 
@@ -256,12 +205,15 @@ class Engine:
     def commit_turn(self, turn: Turn, reply: SessionReply) -> bool:
         """Append the finished turn and its ``reply`` to the session, with the KV its
         request pinned. ``False`` (nothing changed) unless its request finished."""
-        return self._turns.commit(turn, reply)
+        committed = self._turns.commit(turn, reply)
+        self._changed.unpark_all()
+        return committed
 
     def end_turn(self, turn: Turn) -> None:
         """Free the session for its next turn; uncommitted pins are dropped. Idempotent,
         never awaits (safe in ``finally`` and under cancellation)."""
         self._turns.end(turn)
+        self._changed.unpark_all()
 
     def get_session(self, session_id: str, owner: str) -> Session:
         return self._turns.get(session_id, owner)
@@ -280,6 +232,7 @@ class Engine:
                 group.request_id, "the server is shutting down", FailureCause.SHUTDOWN
             )
         self._wake.set()
+        self._changed.unpark_all()
 
     def drain(self) -> None:
         """Stop admitting (:meth:`submit` raises :class:`EngineUnavailable`) but let every
@@ -288,15 +241,17 @@ class Engine:
         if self._state is _State.RUNNING:
             self._state = _State.DRAINING
         self._wake.set()
+        self._changed.unpark_all()
 
     def cancel_all(self, reason: str) -> int:
         """Fail every request now (cause :attr:`FailureCause.SHUTDOWN`), freeing its KV;
         return how many there were. Never awaits."""
-        request_ids = list(self._requests)
+        request_ids = list(self._outbox)
         for request_id in request_ids:
             self._scheduler.abort(request_id)
             self._fail_request(request_id, reason, FailureCause.SHUTDOWN)
         self._wake.set()
+        self._changed.unpark_all()
         return len(request_ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -306,7 +261,23 @@ class Engine:
     @property
     def num_requests(self) -> int:
         """Requests accepted and not yet finished, failed or aborted."""
-        return len(self._requests)
+        return len(self._outbox)
+
+    async def wait_statistics(
+        self, condition: Callable[[EngineStatistics], object]
+    ) -> EngineStatistics:
+        """The first :meth:`statistics` snapshot for which ``condition`` holds.
+
+        Checked now and after every change that the statistics show (a request submitted,
+        admitted, stepped, finished, failed or aborted, a session turn ended, the engine
+        stopped or died), so a caller on the Trio thread waits for a state instead of
+        polling for it. The caller bounds the wait (``trio.fail_after``) where the state
+        may never come."""
+        while True:
+            stats = self.statistics()
+            if condition(stats):
+                return stats
+            await self._changed.park()
 
     def statistics(self) -> EngineStatistics:
         pool = self._pool
@@ -323,7 +294,7 @@ class Engine:
             kv_blocks_cached=pool.num_unreferenced_cached,
             kv_blocks_evicted=pool.evictions,
             kv_block_refs=pool.num_references,
-            requests_in_flight=len(self._requests),
+            requests_in_flight=len(self._outbox),
             turns_open=len(self._turns),
         )
 
@@ -340,7 +311,7 @@ class Engine:
             max_running=self.config.max_running,
             blocks_needed=self._scheduler.blocks_needed(len(prompt), params),
             num_blocks=self._pool.num_blocks,
-            id_in_use=request.request_id in self._requests or request.request_id in self._turns,
+            id_in_use=request.request_id in self._outbox or request.request_id in self._turns,
         )
         turn = request.turn
         if self._scheduler.num_waiting >= self.config.max_waiting:
@@ -348,24 +319,17 @@ class Engine:
         if turn is not None:
             seed = self._turns.start(turn, request.request_id, params.seed)
             params = dataclasses.replace(params, seed=seed)
-        send, receive = trio.open_memory_channel[Message](math.inf)
         self._scheduler.add(request.request_id, prompt, params, keep_kv=turn is not None)
-        self._requests[request.request_id] = _Request(
-            request_id=request.request_id,
-            num_prompt_tokens=len(prompt),
-            send=send,
-            submitted_at=trio.current_time(),
-            done=[False] * params.n,
-            live=params.n,
-            last_token_at=[None] * params.n,
-        )
+        receive = self._outbox.open(request.request_id, len(prompt), params.n)
         self._wake.set()
+        self._changed.unpark_all()
         return RequestStream(self, self._text, request.request_id, receive, params, turn)
 
     # -- the loop -------------------------------------------------------------------------
 
     async def _loop(self) -> None:
         while True:
+            self._changed.unpark_all()  # the last step's results, failures, aborts
             if self._state is _State.DEAD:
                 return
             if self._state in (_State.SHUTTING_DOWN, _State.DRAINING) and not (
@@ -381,7 +345,8 @@ class Engine:
                 self._wake = trio.Event()
                 await self._wake.wait()
                 continue
-            self._on_admitted(step)
+            self._outbox.admitted(step, trio.current_time())
+            self._changed.unpark_all()
             started = trio.current_time()
             try:
                 sampled = await self._run_step(step)
@@ -404,7 +369,7 @@ class Engine:
                 self._metrics.prefill_step_time.observe(now - started)
             else:
                 self._metrics.decode_step_time.observe(now - started)
-            self._deliver(outputs, now)
+            self._outbox.deliver(outputs, now)
 
     async def _run_step(self, step: ScheduledStep) -> list[SampledToken]:
         """Run the model step on the model thread under the watchdog.
@@ -419,76 +384,6 @@ class Engine:
             return await self._model_thread.run(self._runner.step, step.plan)
         raise _WatchdogFired(f"a model step ran past the watchdog of {timeout} s")
 
-    def _on_admitted(self, step: ScheduledStep) -> None:
-        now = trio.current_time()
-        for request_id, cached in zip(step.admitted, step.cached_tokens, strict=True):
-            request = self._requests.get(request_id)
-            if request is None:
-                continue
-            queue_time = now - request.submitted_at
-            self._metrics.queue_time.observe(queue_time)
-            self._metrics.prompt_tokens_total += request.num_prompt_tokens
-            self._send(request, Admitted(request.num_prompt_tokens, cached, queue_time))
-
-    def _deliver(self, outputs: list[SampleOutput], now: float) -> None:
-        metrics = self._metrics
-        for output in outputs:
-            request = self._requests.get(output.request_id)
-            if request is None:
-                continue
-            scores = output.prompt_logprobs
-            if scores is not None and not self._send(request, PromptScores(output.index, scores)):
-                continue
-            if output.token is not None:
-                metrics.generation_tokens_total += 1
-                if request.first_token_at is None:
-                    request.first_token_at = now
-                    metrics.time_to_first_token.observe(now - request.submitted_at)
-                last = request.last_token_at[output.index]
-                if last is not None:
-                    metrics.inter_token_latency.observe(now - last)
-                request.last_token_at[output.index] = now
-                if last is None or self.config.stream_interval == 1:
-                    message = Tokens(output.index, (output.token,))
-                else:
-                    held = request.held.setdefault(output.index, [])
-                    held.append(output.token)
-                    if len(held) < self.config.stream_interval and output.finish is None:
-                        continue
-                    message = Tokens(output.index, tuple(held))
-                    held.clear()
-                if not self._send(request, message):
-                    continue
-            if output.finish is not None:
-                self._finish_sample(request, output.index, output.finish)
-
-    def _send(self, request: _Request, message: Message) -> bool:
-        """Whether the message went out; a closed stream aborts the request."""
-        try:
-            request.send.send_nowait(message)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.abort(request.request_id)
-            return False
-        return True
-
-    def _finish_sample(self, request: _Request, index: int, reason: FinishReason) -> None:
-        if request.done[index]:
-            return
-        held = request.held.pop(index, None)
-        if held and not self._send(request, Tokens(index, tuple(held))):
-            return
-        request.done[index] = True
-        request.live -= 1
-        request.any_length |= reason is FinishReason.LENGTH
-        if not self._send(request, Finish(index, reason)):
-            return
-        if request.live == 0:
-            del self._requests[request.request_id]
-            self._turns.finished(request.request_id)
-            self._metrics.count("finished_length" if request.any_length else "finished_stop")
-            self._metrics.e2e_latency.observe(trio.current_time() - request.submitted_at)
-            request.send.close()
-
     def _fail_step(self, step: ScheduledStep, message: str) -> None:
         for request_id in self._scheduler.fail(step):
             self._fail_request(request_id, message)
@@ -496,32 +391,25 @@ class Engine:
     def _fail_request(
         self, request_id: str, message: str, cause: FailureCause = FailureCause.MODEL
     ) -> None:
-        request = self._requests.pop(request_id, None)
-        if request is None:
-            return
-        self._metrics.count("failed")
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            request.send.send_nowait(Failed(message, cause))
-        request.send.close()
+        self._outbox.fail(request_id, message, cause)
 
     def _die(self, reason: str) -> None:
         """Mark the engine dead and fail every request. Whatever breaks on the way, every
         channel ends up closed, so no stream waits forever (a closed channel without a
         :class:`Failed` reads as an aborted request)."""
         self._state = _State.DEAD
+        self._changed.unpark_all()
         self._failure = reason
         try:
             self._scheduler.abort_all()
         except Exception:  # the scheduler may be what broke; the streams matter more
             logger.exception("Cleaning up the scheduler failed")
-        for request_id in list(self._requests):
+        for request_id in self._outbox:
             try:
                 self._fail_request(request_id, reason, FailureCause.ENGINE)
             except Exception:
                 logger.exception("Failing request %s failed", request_id)
-        for request in self._requests.values():
-            request.send.close()
-        self._requests.clear()
+        self._outbox.close_all()
 
 
 class _WatchdogFired(Exception):

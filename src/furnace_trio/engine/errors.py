@@ -1,4 +1,4 @@
-"""The errors :meth:`~furnace_trio.engine.engine.Engine.submit` raises, and
+"""The errors :meth:`~furnace_trio.engine.Engine.submit` raises, and
 :func:`check_request`, the checks of a request's own shape that raise them.
 
 Each error maps to one HTTP answer (the HTTP layer does the mapping), so the engine says

@@ -65,8 +65,8 @@ class ModelThread:
 
         The result goes straight back to the waiting task (``reschedule`` through
         ``run_sync_soon``), without a Future or an Event: this is on the path of every
-        model step. A no-op call's round trip took 136 to 147 us with them and 98 to 112
-        without (2-core sandbox; most of the rest is waking the two threads).
+        model step, and a Future and an Event add about a third to a round trip whose
+        cost is otherwise mostly waking the two threads (docs/history.md).
         """
         task = trio.lowlevel.current_task()
         token = trio.lowlevel.current_trio_token()

@@ -1,5 +1,5 @@
 """Engine metrics: Prometheus-style histograms, counters, and the frozen snapshot the engine
-hands out (:meth:`furnace_trio.engine.engine.Engine.statistics`).
+hands out (:meth:`furnace_trio.engine.Engine.statistics`).
 
 All durations are seconds measured with ``trio.current_time()`` by the engine, so tests can
 drive them with ``autojump_clock``. Plain Python: rendering to the Prometheus text format

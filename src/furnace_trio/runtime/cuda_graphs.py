@@ -1,8 +1,8 @@
 """CUDA graphs of the all-decode step: one replay instead of about 1,200 launches from Python.
 
 On a GPU a decode step of the torch path is some 1,200 small kernels, each launched from
-Python (about 10 us apiece), so a step's time is its launch count, whatever the batch: the
-first H200 run decoded one stream at 16 ms a token. A CUDA graph records a step's kernels
+Python (about 10 us apiece), so without graphs a step's time is its launch count, whatever
+the batch (docs/history.md has the figures). A CUDA graph records a step's kernels
 once and replays them with one call. A graph fixes every shape and address, so:
 
 - **Shapes come in buckets.** A step of ``n`` decodes runs the graph of the smallest batch

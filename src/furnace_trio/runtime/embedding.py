@@ -6,10 +6,10 @@ step only needs the rows of its own tokens. :class:`BlockEmbedding` keeps the fi
 blocks (uint8 rows, a quarter to a half of float32's bytes) and dequantizes the gathered
 rows, so every row is bitwise what the float table would hold: Q8_0 and Q4_1 (the
 default model's and the common 8-bit case) in torch, with ``gguf.quants.dequantize``'s
-float32 operations in its order (about 20 us for a decode step's rows of the default
-model, against 7 us from a float32 table and 150 us through ``gguf.quants.dequantize``);
-every other type through ``gguf.quants.dequantize`` (300 to 650 us for 1 to 16 rows of a
-2,048-wide Q4_K or Q6_K table, small beside a step of a model that size).
+float32 operations in its order (a few times a float32 table's lookup, several times
+cheaper than ``gguf.quants.dequantize``); every other type through
+``gguf.quants.dequantize`` (small beside a step of a model whose table is that large).
+docs/history.md has the figures.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ are the main lever. Three implementations:
   activations, so only weights are quantized (no activation rounding at all) and every
   output row depends on its input row alone, in the same arithmetic order whatever the
   batch: decode rows are bitwise batch invariant. Prefill uses the same kernel (torch's
-  BLAS on a widened copy of the weight was measured about 10% faster on 512-token chunks,
+  BLAS on a widened copy of the weight is a little faster on long chunks, docs/history.md,
   but would make a row's numerics depend on how many rows share its step).
 - :class:`Int8Linear`, the fallback without a compiler: int8 weights *and* int8 activations,
   exact int32 accumulation, with fbgemm's kernel (the one behind torch's dynamic quantized

@@ -24,6 +24,7 @@ from furnace_trio.runtime import native
 from furnace_trio.runtime.build import WeightBuilder
 from furnace_trio.runtime.cuda_graphs import DecodeGraphs
 from furnace_trio.runtime.model import KVCache, StepInputs, Transformer
+from furnace_trio.runtime.native.config import DEFAULT_NATIVE_CONFIG, NativeConfig
 from furnace_trio.runtime.quant import resolve_quantization
 from furnace_trio.runtime.sampling import GeneratorStore, sample, token_logprobs
 
@@ -82,6 +83,8 @@ class RunnerConfig:
     quantization: str = "none"
     # The native CPU kernels (int8 linear, decode attention); False: torch kernels only.
     native: bool = True
+    # How the native kernels are built and where they are cached.
+    native_build: NativeConfig = DEFAULT_NATIVE_CONFIG
     # KV cache dtype: "auto" is float16 for int8 / q4 with the native kernels (half the bytes
     # that decode attention reads, and twice the tokens per MB), else the model dtype;
     # "model" always keeps the model dtype, "float16" is float16 whatever the runtime;
@@ -116,7 +119,7 @@ class ModelRunner:
                 raise ValueError(f"{mode} quantization needs dtype float32 (CPU)")
             mode = "none"  # auto: a configured float16/bfloat16 wins
         use_native = settings.native and self.device.type == "cpu"
-        kernels = native.load() if use_native else None
+        kernels = native.load(settings.native_build) if use_native else None
         self._kernels = kernels
         if mode == "q4" and kernels is None:
             logger.warning("runner: 4-bit weights need the native kernels; using int8")

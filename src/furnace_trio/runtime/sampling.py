@@ -81,8 +81,8 @@ def sample(
     kernels: native.Kernels | None = None,
 ) -> list[SampledToken]:
     """One token per row of ``logits`` (``[B, vocab]``) for ``specs[row]``. ``kernels``: the
-    native CPU kernels, for the argmax (torch's took about 0.15 ms per vocabulary row of 49k
-    here, the native one a third of that)."""
+    native CPU kernels, for the argmax (about a third of torch's time on a vocabulary row;
+    docs/history.md)."""
     if logits.dim() != 2 or logits.shape[0] != len(specs):
         raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(specs)} samples")
     if len(generators) != len(specs):

@@ -12,22 +12,22 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from furnace_trio.core.plan import ChunkPlan, StepPlan, StepRunner
-from furnace_trio.engine.engine import Engine, EngineConfig
+from furnace_trio.engine import Engine, EngineConfig
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.loading.tokenizer import Tokenizer
 from furnace_trio.server.config import ServerConfig
 
 if TYPE_CHECKING:
-    from furnace_trio.runtime.runner import ModelRunner
+    from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
 
 logger = logging.getLogger(__name__)
 
 #: Batch limits when none are configured: a CPU's step time grows with every sequence, so
 #: fewer run at once than on a GPU, whose step barely grows until the batch is large. On
-#: the CPU, 32 rather than 16: with 32 concurrent streams of the default model, 16 left
-#: half of them queued behind whole generations (TTFT p50 1.06 s over HTTP against 0.14 s
-#: with 32, and 4 to 8% less throughput); the price is each stream's ITL, which doubles
-#: when 32 decode instead of 16 (docs/history.md).
+#: the CPU, 32: with 32 concurrent streams of the default model, a limit of 16 leaves half
+#: of them queued behind whole generations, with a higher TTFT and less throughput; the
+#: price is each stream's ITL, which doubles when 32 decode instead of 16 (the figures are
+#: in docs/history.md).
 DEFAULT_LIMITS = {"cpu": (32, 512), "cuda": (128, 4096)}
 
 #: KV memory when none is configured: 46,592 tokens with the default model on a CPU (its
@@ -109,22 +109,31 @@ def build_engine(
     )
 
 
-def load_backend(config: ServerConfig) -> Backend:
-    """Load the configured model (default: the embedded SmolLM2) and build its engine."""
-    from furnace_trio.loading.loader import LoadedModel, load_model
-    from furnace_trio.runtime.runner import ModelRunner, RunnerConfig, resolve_device
+def runner_config(config: ServerConfig, device: str, device_type: str) -> RunnerConfig:
+    """The runner's settings from the server's, for a resolved ``device``."""
+    from furnace_trio.runtime.runner import RunnerConfig
 
-    started = time.monotonic()
-    device = resolve_device(config.device)
-    settings = RunnerConfig(
-        device=str(device),
+    return RunnerConfig(
+        device=device,
         dtype=config.dtype,
-        kv_cache_bytes=_kv_cache_bytes(config, device.type),
+        kv_cache_bytes=_kv_cache_bytes(config, device_type),
         kv_dtype=config.kv_cache_dtype,
         max_context=config.max_context,
         quantization=config.quantization,
         cuda_graphs=None if config.cuda_graphs else False,
+        native=config.native,
+        native_build=config.native_build,
     )
+
+
+def load_backend(config: ServerConfig) -> Backend:
+    """Load the configured model (default: the embedded SmolLM2) and build its engine."""
+    from furnace_trio.loading.loader import LoadedModel, load_model
+    from furnace_trio.runtime.runner import ModelRunner, resolve_device
+
+    started = time.monotonic()
+    device = resolve_device(config.device)
+    settings = runner_config(config, str(device), device.type)
 
     def build() -> tuple[LoadedModel, ModelRunner]:
         loaded = load_model(config.model)

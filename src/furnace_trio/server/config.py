@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
+
+from furnace_trio.runtime.native.config import DEFAULT_NATIVE_CONFIG, NativeConfig
 
 Device = Literal["cpu", "cuda", "auto"]
 DEVICES: tuple[str, ...] = ("cpu", "cuda", "auto")
@@ -65,6 +69,9 @@ class ServerConfig:
     cuda_graphs: bool = True
     drain_timeout_s: float = 30.0
     exit_on_engine_failure: bool = False
+    # The native CPU kernels (False: torch kernels only) and how they are built.
+    native: bool = True
+    native_build: NativeConfig = DEFAULT_NATIVE_CONFIG
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -179,6 +186,8 @@ class ServerConfig:
             exit_on_engine_failure=_flag(
                 environ, "FURNACE_EXIT_ON_ENGINE_FAILURE", defaults.exit_on_engine_failure
             ),
+            native=_flag(environ, "FURNACE_NATIVE", defaults.native),
+            native_build=_native_build(environ),
         )
 
     @property
@@ -212,3 +221,19 @@ def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
+def _native_build(environ: Mapping[str, str]) -> NativeConfig:
+    """``FURNACE_NATIVE_FLAGS`` (shell words), ``FURNACE_CACHE_DIR`` (else
+    ``$XDG_CACHE_HOME/furnace-trio``) and ``CC``: how the native kernels are built."""
+    try:
+        flags = tuple(shlex.split(environ.get("FURNACE_NATIVE_FLAGS", "")))
+    except ValueError as exc:
+        raise ConfigError(f"FURNACE_NATIVE_FLAGS must be shell words: {exc}") from None
+    cache_dir = environ.get("FURNACE_CACHE_DIR", "").strip()
+    xdg = environ.get("XDG_CACHE_HOME", "").strip()
+    return NativeConfig(
+        flags=flags,
+        cache_dir=Path(cache_dir) if cache_dir else Path(xdg) / "furnace-trio" if xdg else None,
+        compiler=environ.get("CC", "").strip() or DEFAULT_NATIVE_CONFIG.compiler,
+    )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from furnace_trio.engine.engine import Delta, Finished, LogprobEntry
+from furnace_trio.engine import Delta, Finished, LogprobEntry
 
 
 class Echo:

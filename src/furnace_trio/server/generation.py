@@ -20,7 +20,7 @@ import trio
 from quart import Response
 
 from furnace_trio.core.params import SamplingParams, TokenConstraint
-from furnace_trio.engine.engine import (
+from furnace_trio.engine import (
     EngineBusy,
     EngineUnavailable,
     GenerationRequest,

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 
-from furnace_trio.engine.engine import (
+from furnace_trio.engine import (
     Admitted,
     Delta,
     Failed,

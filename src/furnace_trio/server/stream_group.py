@@ -11,7 +11,7 @@ The tasks run in a nursery the caller owns (the app's): a response body is an as
 generator, which cannot keep a nursery open across a ``yield``. A task ends when its
 stream does, and every stream ends when the group is closed or its request is aborted,
 so no task outlives its response for long. It has the surface of a
-:class:`~furnace_trio.engine.engine.RequestStream` that response code reads: iteration,
+:class:`~furnace_trio.engine.RequestStream` that response code reads: iteration,
 :meth:`close` and :attr:`session_id`.
 """
 
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import trio
 
-from furnace_trio.engine.engine import Admitted, Delta, Event, Failed, Finished, RequestStream
+from furnace_trio.engine import Admitted, Delta, Event, Failed, Finished, RequestStream
 
 logger = logging.getLogger(__name__)
 

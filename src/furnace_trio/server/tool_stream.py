@@ -1,6 +1,6 @@
 """Tool-call parsing over a request's engine events (the handler's side).
 
-:class:`ToolCallStream` sits between :class:`~furnace_trio.engine.engine.RequestStream` and the
+:class:`ToolCallStream` sits between :class:`~furnace_trio.engine.RequestStream` and the
 response shaping: each choice's text goes through its own
 :class:`~furnace_trio.tools.tool_calls.ToolCallParser`; what comes out is the same events with
 only the visible content left in ``Delta.text``, plus :class:`ToolCallReady` events.
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from furnace_trio.engine.engine import Delta, Finished
+from furnace_trio.engine import Delta, Finished
 from furnace_trio.tools.tool_calls import (
     ContentDelta,
     ParserEvent,

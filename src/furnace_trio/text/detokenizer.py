@@ -18,9 +18,10 @@ per token does not grow with the length of the generation.
 Where ``decode`` is the concatenation of each token's bytes read as UTF-8 (byte-level BPE
 vocabularies, such as the default model's: see ``Tokenizer.decode_table``),
 :class:`ByteDetokenizer` does the same from a table of those bytes and an incremental UTF-8
-decoder, without calling ``decode``. In the server that took the event loop's CPU per
-token from about 33 to 13 us: after each model step the tokenizer's code and vocabulary
-are out of the caches, and two decode calls a token reached into both.
+decoder, without calling ``decode``. That matters in the server: after each model step
+the tokenizer's code and vocabulary are out of the caches, and two decode calls a token
+reach into both, which costs the event loop more than twice the table's CPU per token
+(docs/history.md).
 
 I/O-free and independent of :class:`~furnace_trio.loading.tokenizer.Tokenizer`: they take any
 ``decode`` callable or byte table, so engine tests can use a toy one.

@@ -2,8 +2,8 @@
 
 Why llguidance: it has no dependencies (xgrammar requires an unpinned ``torch``, ``triton``
 and ``transformers``, which this project cannot take), and its masks are cheap on the
-SmolLM2 vocabulary (49,152 tokens): median ~25 us per token for a JSON schema, the first
-mask of a request a few ms (measured once by hand; no benchmark script yet).
+SmolLM2 vocabulary (49,152 tokens): tens of microseconds per token for a JSON schema
+(``benchmarks/bench_grammar.py``; the figures are in docs/benchmarks.md).
 
 Where the state lives: each request gets one :class:`GrammarConstraint` in its
 :class:`~furnace_trio.core.params.SamplingParams`. The sampler calls

@@ -1,54 +1,19 @@
-"""The native CPU kernels (``cpu_kernels.c``): built on first use, loaded through ctypes.
+"""Typed entry points of the built ``cpu_kernels.c``, called through ctypes.
 
-The C source is compiled once per machine with the local C compiler (``$CC``, else ``cc``)
-for the CPU it runs on (``-march=native``: AVX-512, AVX2 or plain C) and cached under
-``$FURNACE_CACHE_DIR`` (default ``~/.cache/furnace-trio``), keyed by the source, the
-compiler and the CPU. Building takes about a second; a machine without a compiler gets
-:func:`load` returning ``None`` and the callers fall back to torch kernels.
-
-Calls go through :mod:`ctypes`, which releases the GIL for the duration of the call; the
-kernels parallelise with OpenMP, sharing torch's OpenMP runtime (the library is loaded
-after torch, so ``libgomp.so.1`` resolves to the copy torch already loaded).
+:mod:`ctypes` releases the GIL for the duration of each call; the kernels parallelise with
+OpenMP, sharing torch's OpenMP runtime. Each method states the shapes and layouts it takes;
+the layouts shared with the C code are in :mod:`furnace_trio.runtime.native.formats`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
-import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-# What SOURCE includes (part of the build key).
-INCLUDES = (Path(__file__).with_name("cpu_kquants.c"),)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-
-# A linear layer's format in the decode_layers table (enum in cpu_kernels.c).
-LINEAR_W8 = 0
-LINEAR_Q4 = 1
-LINEAR_Q8 = 2
-LINEAR_Q4_0 = 3
-LINEAR_Q5_0 = 4
-LINEAR_Q4_K = 5
-LINEAR_Q5_K = 6
-LINEAR_Q6_K = 7
-
-_lock = threading.Lock()
-_loaded: dict[str, Kernels | None] = {}
+from furnace_trio.runtime.native.formats import DecodeDims, KVScales, kv_kind
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -435,152 +400,5 @@ def _linear_args(
     )
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeDims:
-    """The shapes ``furnace_decode_layers`` needs."""
-
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    eps: float
-
-    @property
-    def scratch_per_token(self) -> int:
-        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
-        attention = 2 * self.heads * self.head_dim + self.kv_heads * self.head_dim
-        quantized = max(self.hidden, self.heads * self.head_dim, self.intermediate)
-        return 2 * self.hidden + qkv + attention + 3 * self.intermediate + quantized
-
-
-#: A KV cache's format for the kernels (enum in cpu_kernels.c).
-KV_F32, KV_F16, KV_I8 = 0, 1, 2
-#: An int8 cache's key and value scales, ``[..., KV]`` float32 each.
-KVScales = tuple[torch.Tensor, torch.Tensor]
-
-
-def supports_kv(cache: torch.Tensor, scales: KVScales | None = None) -> bool:
-    """Whether the kernels take this cache: float32 or float16, or int8 with its scales."""
-    if scales is not None:
-        return cache.dtype == torch.int8
-    return cache.dtype in (torch.float32, torch.float16)
-
-
-def kv_kind(cache: torch.Tensor, scales: KVScales | None = None) -> int:
-    """The kernels' ``KV_*`` for a cache (int8 caches need their ``scales``)."""
-    if supports_kv(cache, scales):
-        return {torch.int8: KV_I8, torch.float16: KV_F16}.get(cache.dtype, KV_F32)
-    raise TypeError(
-        "native kernels take float32 or float16 KV caches, or int8 ones with their scales; "
-        f"not {cache.dtype} {'with' if scales is not None else 'without'} scales"
-    )
-
-
 def _scale_ptrs(scales: KVScales | None) -> tuple[int | None, int | None]:
     return (None, None) if scales is None else (scales[0].data_ptr(), scales[1].data_ptr())
-
-
-def quantize_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``[..., D]`` float -> int8 ``q`` and float32 ``scale`` ``[...]``, ``x ~ q * scale``.
-
-    Per row: ``q = round(x * 127 / max|x|)``, ``scale = max|x| / 127`` (a row of zeros: 0 and
-    0), the native kernels' arithmetic (``quantize_kv_row``), so both paths store the same
-    bytes."""
-    x = x.float()
-    top = x.abs().amax(dim=-1)
-    inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
-    q = torch.round(x * inv.unsqueeze(-1)).to(torch.int8)
-    return q, top / 127.0
-
-
-def cache_dir() -> Path:
-    configured = os.environ.get("FURNACE_CACHE_DIR")
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "furnace-trio"
-
-
-@functools.cache
-def _cpu_identity() -> str:
-    """What ``-march=native`` depends on: the CPU model and its feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(keep)))
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc"))
-
-
-@functools.cache
-def _compiler_version(compiler: str) -> str:
-    """``cc --version`` (part of the build key), asked once per process and compiler."""
-    try:
-        return subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=30
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", tmp, "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        os.replace(tmp, target)  # atomic: a concurrent builder never sees half a file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def load(extra_flags: tuple[str, ...] = ()) -> Kernels | None:
-    """The kernels, building them if needed; ``None`` where they cannot be built here.
-
-    ``FURNACE_NATIVE=0`` disables them (the torch kernels are used instead).
-    ``FURNACE_NATIVE_FLAGS`` (shell words) and then ``extra_flags`` go after :data:`FLAGS`:
-    tests build the AVX2 and plain-C variants on an AVX-512 machine with ``-mno-avx512f``
-    and ``-march=x86-64``, and ``FURNACE_NATIVE_FLAGS=-mno-avx512f`` serves with the AVX2
-    build (what a CPU without AVX-512 runs, for comparisons on this one).
-    """
-    if os.environ.get("FURNACE_NATIVE", "1") == "0":
-        return None
-    extra_flags = (*shlex.split(os.environ.get("FURNACE_NATIVE_FLAGS", "")), *extra_flags)
-    compiler = _compiler()
-    if compiler is None:
-        logger.warning("native kernels: no C compiler (set CC); using torch kernels")
-        return None
-    source = b"".join(path.read_bytes() for path in (SOURCE, *INCLUDES))
-    flags = (*FLAGS, *extra_flags)
-    parts = [compiler, _compiler_version(compiler), " ".join(flags), _cpu_identity()]
-    key = hashlib.blake2b(
-        b"\0".join([source, *(p.encode() for p in parts)]), digest_size=12
-    ).hexdigest()
-    target = cache_dir() / f"cpu_kernels-{key}.so"
-    with _lock:
-        if str(target) in _loaded:
-            return _loaded[str(target)]
-        kernels: Kernels | None = None
-        try:
-            if not target.exists():
-                logger.info("native kernels: building %s", target)
-                _build(compiler, flags, target)
-            kernels = Kernels(ctypes.CDLL(str(target)), target)
-        except subprocess.CalledProcessError as exc:
-            logger.warning("native kernels: build failed, using torch kernels:\n%s", exc.stderr)
-        except (OSError, subprocess.SubprocessError) as exc:
-            logger.warning("native kernels unavailable (%s); using torch kernels", exc)
-        _loaded[str(target)] = kernels
-        return kernels

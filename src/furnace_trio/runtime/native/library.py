@@ -1,0 +1,126 @@
+"""Building ``cpu_kernels.c`` into a shared library, caching it, and loading it once.
+
+The C source is compiled once per machine with the configured C compiler (default ``cc``)
+for the CPU it runs on (``-march=native``: AVX-512, AVX2 or plain C) and cached in the
+directory of its :class:`~furnace_trio.runtime.native.config.NativeConfig` (default
+``~/.cache/furnace-trio``), keyed by the source, the compiler and the CPU. Building takes
+about a second; a machine without a compiler gets :func:`load` returning ``None`` and the
+callers fall back to torch kernels.
+
+The library is loaded after torch, so ``libgomp.so.1`` resolves to the OpenMP runtime
+torch already loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from furnace_trio.runtime.native.config import DEFAULT_NATIVE_CONFIG, NativeConfig
+from furnace_trio.runtime.native.kernels import Kernels
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent.parent / "cpu_kernels.c"
+# What SOURCE includes (part of the build key).
+INCLUDES = (Path(__file__).parent.parent / "cpu_kquants.c",)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+_lock = threading.Lock()
+_loaded: dict[str, Kernels | None] = {}
+
+
+def cache_dir(config: NativeConfig = DEFAULT_NATIVE_CONFIG) -> Path:
+    return config.directory
+
+
+@functools.cache
+def _cpu_identity() -> str:
+    """What ``-march=native`` depends on: the CPU model and its feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _compiler(config: NativeConfig) -> str | None:
+    return shutil.which(config.compiler)
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    """``cc --version`` (part of the build key), asked once per process and compiler."""
+    try:
+        return subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *flags, str(SOURCE), "-o", tmp, "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        os.replace(tmp, target)  # atomic: a concurrent builder never sees half a file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load(
+    config: NativeConfig = DEFAULT_NATIVE_CONFIG, *, extra_flags: tuple[str, ...] = ()
+) -> Kernels | None:
+    """The kernels, building them if needed; ``None`` where they cannot be built here.
+
+    ``config.flags`` and then ``extra_flags`` go after :data:`FLAGS`: tests build the AVX2
+    and plain-C variants on an AVX-512 machine with ``-mno-avx512f`` and ``-march=x86-64``,
+    and a server configured with ``FURNACE_NATIVE_FLAGS=-mno-avx512f`` runs the AVX2 build
+    (what a CPU without AVX-512 runs, for comparisons on this one).
+    """
+    extra_flags = (*config.flags, *extra_flags)
+    compiler = _compiler(config)
+    if compiler is None:
+        logger.warning("native kernels: no C compiler (set CC); using torch kernels")
+        return None
+    source = b"".join(path.read_bytes() for path in (SOURCE, *INCLUDES))
+    flags = (*FLAGS, *extra_flags)
+    parts = [compiler, _compiler_version(compiler), " ".join(flags), _cpu_identity()]
+    key = hashlib.blake2b(
+        b"\0".join([source, *(p.encode() for p in parts)]), digest_size=12
+    ).hexdigest()
+    target = cache_dir(config) / f"cpu_kernels-{key}.so"
+    with _lock:
+        if str(target) in _loaded:
+            return _loaded[str(target)]
+        kernels: Kernels | None = None
+        try:
+            if not target.exists():
+                logger.info("native kernels: building %s", target)
+                _build(compiler, flags, target)
+            kernels = Kernels(ctypes.CDLL(str(target)), target)
+        except subprocess.CalledProcessError as exc:
+            logger.warning("native kernels: build failed, using torch kernels:\n%s", exc.stderr)
+        except (OSError, subprocess.SubprocessError) as exc:
+            logger.warning("native kernels unavailable (%s); using torch kernels", exc)
+        _loaded[str(target)] = kernels
+        return kernels
