@@ -684,6 +684,12 @@ class Transformer(nn.Module):
         self.kernels = kernels if fused and self.embed_tokens.dtype == torch.float32 else None
         self._layer_ptrs = None
 
+    @property
+    def attends_natively(self) -> bool:
+        """Whether one-token rows are attended by the native decode-attention kernel
+        (:meth:`use_native` gave the layers kernels)."""
+        return cast(DecoderLayer, self.layers[0]).self_attn.kernels is not None
+
     def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
         """Run one step; return float32 logits ``[len(logit_rows), vocab]``."""
         kernels = self.kernels  # set only for float32 CPU runners (use_native)

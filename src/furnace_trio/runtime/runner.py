@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -31,12 +32,6 @@ from furnace_trio.runtime.sampling import GeneratorStore, sample, token_logprobs
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
-# Chunks of up to this many tokens run as that many one-token rows of the decode path (see
-# build_inputs) on the CPU with the native kernels: an 8-token chunk after 32 cached
-# tokens took 13 ms there against 23 to 28 through the chunk path (a torch attention over
-# the gathered cache, layer by layer in Python), 4 tokens after 1,000 took 17 against 48,
-# 32 after 40 took 41 against 57; at 32 after 1,600 and at 64 tokens the two were even.
-SPLIT_CHUNKS_UPTO = 32
 #: Prompt positions scored at a time (see ModelRunner._score).
 SCORE_ROWS = 256
 #: The KV cache dtypes a runner takes (see RunnerConfig.kv_dtype).
@@ -93,8 +88,8 @@ class RunnerConfig:
     # see docs/benchmarks.md).
     kv_dtype: str = "auto"
     # Chunks of up to this many tokens run as one-token rows of the decode path (see
-    # build_inputs); None: SPLIT_CHUNKS_UPTO where the native kernels run the model, else 0
-    # (0: every chunk of two or more tokens takes the chunk path).
+    # build_inputs); None: every chunk where the native attention kernel runs the model,
+    # else 0 (0: every chunk of two or more tokens takes the chunk path, for comparisons).
     split_chunks_upto: int | None = None
     # All-decode steps replayed from CUDA graphs (see furnace_trio.runtime.cuda_graphs). None: on a
     # CUDA device. True on the CPU runs the same padded static-buffer step eagerly (what the
@@ -149,7 +144,11 @@ class ModelRunner:
             )
         if self.dtype == torch.float32:
             self.model.use_native(kernels)
-        split = SPLIT_CHUNKS_UPTO if self.model.kernels is not None else 0
+        # With the native attention kernel every chunk runs as one-token rows of the decode
+        # path (see build_inputs): one kernel path and one accumulation order for every
+        # position, so a position's logits are bitwise the same however its prompt was split
+        # between the prefix cache and computation, into chunks, or among other sequences.
+        split = sys.maxsize if self.model.attends_natively else 0
         self._split_upto = (
             split if settings.split_chunks_upto is None else settings.split_chunks_upto
         )
