@@ -2,7 +2,7 @@
  * (int8 activations), paged decode attention, the elementwise pieces of a decoder layer,
  * a whole all-decode step, and the greedy argmax.
  *
- * Built on first use by native.py (gcc -O3 -march=native -fopenmp) and called through
+ * Built on first use by native/library.py (gcc -O3 -march=native -fopenmp) and called through
  * ctypes with raw pointers to contiguous tensors.
  *
  * Batch invariance: every output element is computed by the same instruction sequence
@@ -291,7 +291,7 @@ static __attribute__((noinline)) void w8_store(vf acc, int64_t n, int64_t N, con
 }
 
 /* Panel k-rows are prefetched this many bytes ahead: the hardware prefetcher alone
- * leaves about a third of the bandwidth unused (measured on the single-stream decode). */
+ * leaves a good part of the bandwidth unused on the single-stream decode. */
 #define W8_PREFETCH_BYTES 2048
 
 /* R rows from m0 (R a compile-time constant after inlining: 1 .. W8_ROWS). The panel's
@@ -338,9 +338,8 @@ static ALWAYS_INLINE void w8_panel_rows(const float *x, int64_t m0, const int R,
 }
 
 /* Above this many rows a panel is widened to float once for all its row blocks. The float
- * panel (K * PW * 4 bytes) lives in L2, not L1, so it pays only with many row blocks:
- * measured on a runner step, 16 rows went 57 -> 69 ms with it, a 512-token prefill
- * 1306 -> 1088 ms. */
+ * panel (K * PW * 4 bytes) lives in L2, not L1, so it pays only with many row blocks
+ * (a prefill), and costs a few rows (docs/history.md has the figures). */
 #define W8_WIDEN_ROWS (3 * W8_ROWS)
 
 /* y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]).

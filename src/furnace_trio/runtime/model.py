@@ -139,8 +139,8 @@ class PrefillBatch:
     chunk (``width``) and its keys to the longest context (``span``).
 
     On a GPU a row attended on its own is about ten kernel launches per layer, so a step
-    that starts 64 prompts launched some 19,000 for attention alone (356 ms on an H200);
-    padded into one call it is ten.
+    that starts 64 prompts launches some 19,000 for attention alone; padded into one call it
+    is ten (figures in docs/history.md).
 
     - ``index``: ``[n, width]`` flat token index of each query (a short row repeats its
       last token; those queries are computed and dropped).
@@ -205,8 +205,8 @@ class PrefillBatch:
 
 
 #: The attention kernels a step may use on CUDA: every SDPA backend but cuDNN's, which
-#: torch prefers on Hopper and which builds a plan for every new shape (about 60 ms each on
-#: an H200, measured). A server's shapes change with every prompt length, context and batch
+#: torch prefers on Hopper and which builds a plan for every new shape (tens of milliseconds
+#: each). A server's shapes change with every prompt length, context and batch
 #: size; flash, memory-efficient and math kernels take any shape at no cost. (torch keeps
 #: this choice process-wide, set and restored around each step: the server runs every step
 #: on its one model thread.)
@@ -240,11 +240,10 @@ def chunk_attention(
     :func:`chunk_mask` when the chunk follows cached tokens.
 
     Inputs are 4-D with ``enable_gqa``: with 3-D inputs or an expanded (``repeat_interleave``)
-    key copy, torch 2.13 on the CPU takes the unfused math path, 3 to 4 times slower
-    (measured: 42 ms -> 11.5 ms for 250 queries over 1,850 keys, SmolLM2 heads). On CUDA the
-    other way round for a masked chunk (``expand_kv``): no fused kernel takes a mask with
-    ``enable_gqa``, and the math kernel took 0.4 ms a call on an H200, 0.8 s for a step of
-    64 prefix-cached prompts; with the keys expanded the memory-efficient kernel takes it.
+    key copy, torch 2.13 on the CPU takes the unfused math path, several times slower.
+    On CUDA the other way round for a masked chunk (``expand_kv``): no fused kernel takes a
+    mask with ``enable_gqa``, and the math kernel it falls back to is slow for a step of
+    many prefix-cached prompts; with the keys expanded the memory-efficient kernel takes it.
     """
     qh = q.transpose(0, 1)[None]  # [1, H, qlen, D]
     kh = keys.transpose(0, 1)[None]  # [1, KV, ctx, D]
@@ -814,8 +813,7 @@ class Transformer(nn.Module):
     def _rotary(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and ``sin`` ``[T, head_dim]`` at ``positions`` (all below ``end``), the sign
         of rotate_half folded into ``sin``: two lookups in :meth:`reserve_rotary`'s table per
-        step instead of the seven small ops that computed them (about 0.1 ms of a
-        one-sequence decode step on the CPU)."""
+        step instead of the seven small ops that would compute them."""
         cos, sin = self.reserve_rotary(end)
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
