@@ -116,6 +116,7 @@ def parse_responses_request(
     # generic check of their published schema is all there is to do.
     _only(data, "background", False, "background responses are not supported")
     _only(data, "truncation", "disabled", "only truncation 'disabled' is supported")
+    data.get("user")  # checked (a string of at most 256 characters), not used
     include = data.raw("include")
     if include is not None and include != []:
         raise invalid_request("include is not supported: no extra output data exists", "include")

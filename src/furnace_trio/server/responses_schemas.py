@@ -29,6 +29,8 @@ MAX_METADATA = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 MAX_INSTRUCTIONS_CHARS = 1 << 20
+#: Most input items in one page of ``GET /v1/responses/{id}/input_items``.
+MAX_LIST_LIMIT = 100
 
 _TEXT_PART: Mapping[str, Any] = {
     "oneOf": [

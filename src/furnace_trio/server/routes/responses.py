@@ -27,6 +27,7 @@ from furnace_trio.server.response_body import failure_error, fold_event
 from furnace_trio.server.responses_events import Event, ResponseEvents, sse_frame
 from furnace_trio.server.responses_object import ResponseObject, new_response_id
 from furnace_trio.server.responses_request import ResponsesRequest, parse_responses_request
+from furnace_trio.server.responses_schemas import MAX_LIST_LIMIT
 from furnace_trio.server.responses_sessions import Position, close, open_conversation
 from furnace_trio.server.responses_sessions import release as release_session
 from furnace_trio.server.responses_sessions import settle as settle_turn
@@ -41,8 +42,6 @@ if TYPE_CHECKING:
     from furnace_trio.server.backend import Backend
 
 logger = logging.getLogger(__name__)
-
-MAX_LIST_LIMIT = 100
 
 
 def register(app: QuartTrio, state: ServerState) -> None:
