@@ -163,3 +163,41 @@ async def test_input_items_pages() -> None:
                 answer = await h.get(f"{url}?{query}")
                 assert answer.status_code == 400
                 assert answer.json()["error"]["param"] == param
+
+
+async def test_a_model_failure_fails_the_response_and_leaves_the_conversation() -> None:
+    runner = scripted.ScriptedRunner(lambda p, i: [*scripted.encode("x" * 20), scripted.EOS])
+    async with serve_scripted(runner) as served, client(served) as c:
+        first = await c.responses.create(model=MODEL_NAME, input="first")
+        turns = served.engine.statistics().sessions
+        # streamed: the model fails after a few tokens; the stream ends in response.failed
+        runner.fail_on = {len(runner.plans) + 3}
+        stream = await c.responses.create(
+            model=MODEL_NAME, input="second", previous_response_id=first.id, stream=True
+        )
+        events = [event async for event in stream]
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        last = events[-1]
+        assert last.type == "response.failed"
+        assert last.response.status == "failed" and last.response.error is not None
+        stored = await c.responses.retrieve(last.response.id)
+        assert stored.status == "failed"
+        body = await _refused(
+            c.responses.create(model=MODEL_NAME, input="x", previous_response_id=stored.id)
+        )
+        assert body["param"] == "previous_response_id"
+        # not streamed: a 500, the server goes on
+        runner.fail_on = {len(runner.plans) + 1}
+        await _refused(
+            c.responses.create(model=MODEL_NAME, input="third", previous_response_id=first.id),
+            500,
+        )
+        # the conversation is as it was: continuing the first response is still its
+        # session's next turn (no new session), with its KV reused
+        again = await c.responses.create(
+            model=MODEL_NAME, input="fourth", previous_response_id=first.id
+        )
+        assert again.status == "completed"
+        assert served.engine.statistics().sessions == turns
+        assert again.usage is not None and again.usage.input_tokens_details.cached_tokens > 0
+        await served.wait_idle(sessions_may_hold=True)
