@@ -12,6 +12,9 @@ import openai
 import pytest
 import trio
 
+from furnace_trio.engine.engine import EngineConfig
+from furnace_trio.engine.sessions import SessionNotFound, owner_of
+
 from .. import scripted
 from ..http_server import ANSWERS, MODEL_NAME, Served, serve_scripted
 from .waiting import wait_until
@@ -201,3 +204,36 @@ async def test_a_model_failure_fails_the_response_and_leaves_the_conversation() 
         assert served.engine.statistics().sessions == turns
         assert again.usage is not None and again.usage.input_tokens_details.cached_tokens > 0
         await served.wait_idle(sessions_may_hold=True)
+
+
+async def test_an_idle_conversation_expires_with_its_responses() -> None:
+    config = EngineConfig(session_ttl_s=0.2)
+    async with serve_scripted(engine_config=config) as served, client(served) as c:
+        first = await c.responses.create(model=MODEL_NAME, input="first")
+        assert served.engine.statistics().sessions == 1
+        created = trio.current_time()
+        await wait_until(lambda: trio.current_time() - created > 0.3, "the TTL to pass")
+        body = await _refused(
+            c.responses.create(model=MODEL_NAME, input="again", previous_response_id=first.id),
+            404,
+        )
+        assert body["param"] == "previous_response_id"
+        await _refused(c.responses.retrieve(first.id), 404)
+        with pytest.raises(SessionNotFound):  # the session expired too (checked on use)
+            served.engine.get_session(first.id, owner_of("alice"))
+        await served.wait_idle()
+
+
+async def test_a_conversation_whose_session_was_ended_cannot_be_continued() -> None:
+    async with serve_scripted() as served, client(served) as c:
+        first = await c.responses.create(model=MODEL_NAME, input="first")
+        async with httpx.AsyncClient(headers={"Authorization": "Bearer alice"}) as h:
+            ended = await h.delete(f"{served.url}/v1/sessions/{first.id}")
+        assert ended.status_code == 200, ended.text
+        body = await _refused(
+            c.responses.create(model=MODEL_NAME, input="again", previous_response_id=first.id),
+            404,
+        )
+        assert body["param"] == "previous_response_id" and "expired" in body["message"]
+        assert (await c.responses.retrieve(first.id)).id == first.id  # the record stays
+        await served.wait_idle()
