@@ -32,12 +32,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import machine  # noqa: E402
-from _llama_server import build_llama_tool  # noqa: E402
+from _common import machine
+from _llama_server import build_llama_tool
 
-from furnace_trio.loading.default_model import default_model_path  # noqa: E402
-from furnace_trio.loading.loader import load_model  # noqa: E402
-from furnace_trio.runtime.runner import ModelRunner, RunnerConfig  # noqa: E402
+from furnace_trio.loading.default_model import default_model_path
+from furnace_trio.loading.loader import load_model
+from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
 
 
 def ours(model: Path, ids: list[int], bos: int | None, ctx: int, chunks: int) -> float:
@@ -63,8 +63,21 @@ def ours(model: Path, ids: list[int], bos: int | None, ctx: int, chunks: int) ->
 def llama(model: Path, text: Path, ctx: int, chunks: int) -> float:
     binary = build_llama_tool("llama-perplexity")
     out = subprocess.run(
-        [str(binary), "-m", str(model), "-f", str(text), "-c", str(ctx), "-b", str(ctx)]
-        + ["--chunks", str(chunks), "-t", "2"],
+        [
+            str(binary),
+            "-m",
+            str(model),
+            "-f",
+            str(text),
+            "-c",
+            str(ctx),
+            "-b",
+            str(ctx),
+            "--chunks",
+            str(chunks),
+            "-t",
+            "2",
+        ],
         capture_output=True,
         text=True,
         check=True,

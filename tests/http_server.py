@@ -103,11 +103,15 @@ class Served:
 
     async def wait_idle(self, *, timeout_s: float = 5.0, sessions_may_hold: bool = False) -> None:
         """Wait (bounded) until nothing runs or waits and every KV block is free (or, with
-        ``sessions_may_hold``, held only by sessions a client opened and left open)."""
+        ``sessions_may_hold``, held only by sessions a client opened and left open; two
+        sessions with a common prefix pin its blocks twice)."""
 
         def idle(stats: EngineStatistics) -> bool:
-            held = stats.session_pinned_blocks if sessions_may_hold else 0
-            return stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == held
+            if sessions_may_hold:
+                held = stats.idle and not stats.leaks()
+            else:
+                held = stats.kv_blocks_used == 0
+            return stats.running == 0 and stats.waiting == 0 and held
 
         with trio.move_on_after(timeout_s):
             await self.engine.wait_statistics(idle)

@@ -117,10 +117,11 @@ def parse_chat_request(
     )
 
 
-_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-def _check_schema(schema: object, where: str) -> Mapping[str, Any]:
+def check_json_schema(schema: object, where: str) -> Mapping[str, Any]:
+    """``schema`` if it is a valid JSON Schema object, else a 400 naming ``where``."""
     if not isinstance(schema, dict):
         raise invalid_request(f"{where} must be a JSON schema object, not {kind_of(schema)}", where)
     try:
@@ -147,7 +148,7 @@ def _tools(value: object) -> tuple[Mapping[str, Any], ...] | None:
         if not isinstance(function, dict):
             raise invalid_request(f"{where}.function must be an object", f"{where}.function")
         name = function.get("name")
-        if not isinstance(name, str) or not _FUNCTION_NAME.match(name):
+        if not isinstance(name, str) or not FUNCTION_NAME.match(name):
             raise invalid_request(
                 f"{where}.function.name must be 1-64 letters, digits, '_' or '-'",
                 f"{where}.function.name",
@@ -167,7 +168,7 @@ def _tools(value: object) -> tuple[Mapping[str, Any], ...] | None:
             clean["description"] = description
         parameters = function.get("parameters")
         if parameters is not None:
-            clean["parameters"] = _check_schema(parameters, f"{where}.function.parameters")
+            clean["parameters"] = check_json_schema(parameters, f"{where}.function.parameters")
         tools.append(MappingProxyType({"type": "function", "function": clean}))
     return tuple(tools) or None
 
@@ -241,7 +242,7 @@ def _response_format(value: object) -> ResponseFormat | None:
             return ResponseFormat("json_object", name=name)
         return ResponseFormat(
             "json_schema",
-            _check_schema(schema, "response_format.json_schema.schema"),
+            check_json_schema(schema, "response_format.json_schema.schema"),
             name,
         )
     raise invalid_request(

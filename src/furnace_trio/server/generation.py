@@ -1,9 +1,10 @@
 """One generation: from a validated request and its prompt token ids to a response.
 
-:func:`generate` builds the engine requests (a batch of completions prompts becomes one
-request per prompt, read together through a
-:class:`~furnace_trio.server.stream_group.StreamGroup`), submits them all or none, and
-answers with the SSE body or the whole JSON object. Engine refusals become HTTP errors
+:func:`start_generation` builds the engine requests (a batch of completions prompts
+becomes one request per prompt, read together through a
+:class:`~furnace_trio.server.stream_group.StreamGroup`) and submits them all or none;
+:func:`generate` answers with the SSE body or the whole JSON object (the Responses API
+shapes its own answer from the same start, with :func:`collect`). Engine refusals become HTTP errors
 here: busy and draining are 503s with ``Retry-After``, a request that can never fit is a
 503 the SDK does not retry, a rejected one is a 400.
 """
@@ -14,6 +15,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
@@ -54,6 +56,24 @@ if TYPE_CHECKING:
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
+@dataclass(slots=True)
+class Started:
+    """A submitted generation: its engine events, the collector its output folds into, its
+    timing for the log line, and the translation (tool calls, echo) its events go through.
+
+    Whoever holds it must read or close ``stream`` and log ``timing`` once it ends.
+    """
+
+    stream: RequestStream | StreamGroup
+    collector: Collector
+    timing: RequestTiming
+    tools: ToolCallStream | Echo | None
+
+    def translate(self, engine_event: object) -> list[object]:
+        """The events one engine event stands for, tool calls parsed out of the text."""
+        return self.tools.translate(engine_event) if self.tools is not None else [engine_event]
+
+
 async def generate(
     backend: Backend,
     kind: Kind,
@@ -70,7 +90,54 @@ async def generate(
     """Generate for one prompt, or for a batch of completions prompts (each its own engine
     request, read together through a :class:`StreamGroup` whose tasks run in ``nursery``).
     ``echo`` holds each prompt's text where the choices begin with their prompt."""
-    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    started = start_generation(
+        backend,
+        kind,
+        parsed,
+        prompts,
+        prompt_param,
+        tool_stream,
+        constraint,
+        turn=turn,
+        nursery=nursery,
+        echo=echo,
+    )
+    if parsed.stream:
+        response = Response(
+            stream_body(
+                started.stream,
+                started.collector,
+                started.timing,
+                parsed.include_usage,
+                started.tools,
+            ),
+            mimetype="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+        response.timeout = None  # RESPONSE_TIMEOUT would silently cut a long stream
+        return response
+    await collect(started)
+    return Response(dumps(started.collector.response()), mimetype="application/json")
+
+
+def start_generation(
+    backend: Backend,
+    kind: Kind,
+    parsed: ChatRequest | CompletionRequest,
+    prompts: Sequence[tuple[int, ...]],
+    prompt_param: str,
+    tool_stream: Callable[[str, int], ToolCallStream] | None = None,
+    constraint: TokenConstraint | None = None,
+    *,
+    turn: Turn | None = None,
+    nursery: trio.Nursery | None = None,
+    echo: Sequence[str] | None = None,
+    request_id: str | None = None,
+) -> Started:
+    """Build the engine requests, submit them all or none, and set up what their events
+    fold into; the caller shapes the response (see :func:`generate`)."""
+    if request_id is None:
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     generations = [
         GenerationRequest(
             prompt_token_ids=prompt_ids,
@@ -106,33 +173,33 @@ async def generate(
             want_logprobs=collector.want_logprobs,
             generated=parsed.sampling.max_tokens != 0,
         )
-    if parsed.stream:
-        response = Response(
-            stream_body(stream, collector, timing, parsed.include_usage, tools),
-            mimetype="text/event-stream",
-            headers=SSE_HEADERS,
-        )
-        response.timeout = None  # RESPONSE_TIMEOUT would silently cut a long stream
-        return response
+    return Started(stream, collector, timing, tools)
+
+
+async def collect(started: Started, on_event: Callable[[object], object] | None = None) -> None:
+    """Read a started generation to its end into its collector, handing each event to
+    ``on_event`` too once folded; a failure raises its HTTP error. The stream is closed and
+    the request logged however this ends."""
+    timing = started.timing
     try:
-        async for engine_event in stream:
-            events = tools.translate(engine_event) if tools is not None else [engine_event]
+        async for engine_event in started.stream:
             failure = None
-            for event in events:
-                failure = fold_event(event, collector, timing) or failure
-                commit_turn(stream, event, collector)
+            for event in started.translate(engine_event):
+                failure = fold_event(event, started.collector, timing) or failure
+                commit_turn(started.stream, event, started.collector)
+                if on_event is not None and failure is None:
+                    on_event(event)
             if failure is not None:
                 error = failure_error(failure)
                 timing.status = error.status
                 raise error
-        return Response(dumps(collector.response()), mimetype="application/json")
     except BaseException:
         if timing.status == 200:
             timing.status = 499  # cancelled: the client went away
         raise
     finally:
-        stream.close()
-        timing.log(collector)
+        started.stream.close()
+        timing.log(started.collector)
 
 
 def _params(

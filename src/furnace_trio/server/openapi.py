@@ -15,13 +15,15 @@ from typing import Any
 
 from furnace_trio import __version__
 from furnace_trio.server.openapi_schemas import SCHEMAS, ref
+from furnace_trio.server.responses_openapi import stream_event_schema
+from furnace_trio.server.responses_schemas import MAX_LIST_LIMIT
 from furnace_trio.server.schemas import MAX_SESSION_ID_LENGTH
 
 _ERROR_STATUSES: Mapping[str, str] = {
     "400": "Invalid request: the error names the offending parameter.",
     "401": "Missing or wrong API key (when the server has one).",
-    "404": "Unknown model or session.",
-    "409": "Another turn of this session is running.",
+    "404": "Unknown model, session or response.",
+    "409": "Another turn of this session (or continuation of this response) is running.",
     "413": "The body is larger than the server accepts.",
     "500": "The model failed on this request.",
     "503": "Busy (with Retry-After), draining, or the engine is down.",
@@ -113,6 +115,30 @@ def _path_param(name: str, description: str) -> dict[str, Any]:
     }
 
 
+def _query_param(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "in": "query",
+        "required": False,
+        "description": description,
+        "schema": schema,
+    }
+
+
+def _create_response() -> dict[str, Any]:
+    ok = _json(ref("Response"), "The whole response (stream false or absent).")
+    ok["content"]["text/event-stream"] = {"schema": stream_event_schema()}
+    return {
+        "summary": "Create a response (OpenAI's Responses API)",
+        "operationId": "createResponse",
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": ref("ResponseRequest")}},
+        },
+        "responses": {"200": ok, **_errors(*_GENERATION_ERRORS, "409")},
+    }
+
+
 def _tokenizer_call(summary: str, operation: str, name: str, answer: str) -> dict[str, Any]:
     """A POST of ``{name}Request`` answered by ``{name}Response``."""
     return {
@@ -148,6 +174,44 @@ def openapi_document() -> dict[str, Any]:
                 "TextCompletion",
                 "TextCompletion",  # OpenAI streams text_completion objects
             )
+        },
+        "/v1/responses": {"post": _create_response()},
+        "/v1/responses/{response_id}": {
+            "parameters": [_path_param("response_id", "The response's id.")],
+            "get": {
+                "summary": "A stored response",
+                "operationId": "getResponse",
+                "responses": {"200": _json(ref("Response"), "The response.")}
+                | _errors("401", "404", "503"),
+            },
+            "delete": {
+                "summary": "Delete a stored response (its conversation's KV goes with the last)",
+                "operationId": "deleteResponse",
+                "responses": {"200": _json(ref("ResponseDeleted"), "Deleted.")}
+                | _errors("401", "404", "503"),
+            },
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": {
+                "summary": "The input items of a stored response",
+                "operationId": "listResponseInputItems",
+                "parameters": [
+                    _path_param("response_id", "The response's id."),
+                    _query_param(
+                        "limit",
+                        {"type": "integer", "minimum": 1, "maximum": MAX_LIST_LIMIT, "default": 20},
+                        "Most items in the page.",
+                    ),
+                    _query_param(
+                        "order",
+                        {"enum": ["asc", "desc"], "default": "desc"},
+                        "asc: oldest first; desc: newest first.",
+                    ),
+                    _query_param("after", {"type": "string"}, "List the items after this id."),
+                ],
+                "responses": {"200": _json(ref("ResponseItemList"), "One page of items.")}
+                | _errors("400", "401", "404", "503"),
+            }
         },
         "/v1/models": {
             "get": {

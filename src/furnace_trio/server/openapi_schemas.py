@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from furnace_trio.server.responses_openapi import RESPONSES_SCHEMAS
 from furnace_trio.server.schemas import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -293,6 +294,7 @@ SCHEMAS: dict[str, Any] = {
         "required": ["prompt"],
         "properties": {"prompt": {"type": "string"}},
     },
+    **RESPONSES_SCHEMAS,
     "TokenizerInfo": {
         "type": "object",
         "required": ["eos_token", "bos_token", "pad_token", "chat_template", "model_max_length"],

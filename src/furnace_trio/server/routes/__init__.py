@@ -4,6 +4,7 @@
 - :mod:`.chat`: ``/v1/chat/completions`` (session turns included)
 - :mod:`.completions`: ``/v1/completions``
 - :mod:`.sessions`: ``/v1/sessions/<id>``
+- :mod:`.responses`: ``/v1/responses`` and ``/v1/responses/<id>`` (``input_items`` too)
 - :mod:`.tokenizer`: ``/tokenize``, ``/detokenize``, ``/tokenizer_info``
 
 Everything under ``/v1`` and the tokenizer paths is behind the API key, when the server has
@@ -16,7 +17,14 @@ from quart import request
 from quart_trio import QuartTrio
 
 from furnace_trio.server.auth import check_api_key
-from furnace_trio.server.routes import chat, completions, service, sessions, tokenizer
+from furnace_trio.server.routes import (
+    chat,
+    completions,
+    responses,
+    service,
+    sessions,
+    tokenizer,
+)
 from furnace_trio.server.routes.tokenizer import TOKENIZER_PATHS
 from furnace_trio.server.state import ServerState
 
@@ -29,5 +37,5 @@ def register_routes(app: QuartTrio, state: ServerState) -> None:
         if request.path.startswith("/v1") or request.path in TOKENIZER_PATHS:
             check_api_key(state)
 
-    for family in (service, chat, completions, sessions, tokenizer):
+    for family in (service, chat, completions, responses, sessions, tokenizer):
         family.register(app, state)

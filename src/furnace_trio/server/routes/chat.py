@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
@@ -62,6 +63,35 @@ async def _chat(
     state: ServerState, backend: Backend, parsed: ChatRequest, turn: Turn | None = None
 ) -> Response:
     """Render, tokenize, set up tool parsing and any grammar, then generate."""
+    prepared = await prepare_chat(state, backend, parsed, turn)
+    return await generate(
+        backend,
+        "chat",
+        parsed,
+        (prepared.prompt_ids,),
+        "messages",
+        prepared.tool_stream,
+        constraint=prepared.constraint,
+        turn=turn,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedChat:
+    """A chat request made ready for the engine: its prompt, the grammar that constrains
+    its output (if any), and how to parse its output for tool calls (None: plain text)."""
+
+    prompt_ids: tuple[int, ...]
+    constraint: TokenConstraint | None
+    tool_stream: Callable[[str, int], ToolCallStream] | None
+
+
+async def prepare_chat(
+    state: ServerState, backend: Backend, parsed: ChatRequest, turn: Turn | None = None
+) -> PreparedChat:
+    """Render and tokenize the conversation (a session ``turn``'s history as its exact
+    token ids), compile any grammar (both in worker threads), and choose the tool-call
+    parser: what every chat-shaped endpoint does before it generates."""
     forced = _grammar_forces_calls(state, backend, parsed)
     prompt_ids = await trio.to_thread.run_sync(
         functools.partial(render_chat, backend, parsed, turn, instruct=not forced)
@@ -71,16 +101,7 @@ async def _chat(
         if state.grammar is None:
             state.grammar = GrammarCompiler(backend.tokenizer)
         constraint = await trio.to_thread.run_sync(_constraint, state, backend, parsed)
-    return await generate(
-        backend,
-        "chat",
-        parsed,
-        (prompt_ids,),
-        "messages",
-        _tool_stream(state, backend, parsed),
-        constraint=constraint,
-        turn=turn,
-    )
+    return PreparedChat(prompt_ids, constraint, _tool_stream(state, backend, parsed))
 
 
 async def _session_chat(
