@@ -13,7 +13,7 @@ gives both perplexities and their ratio; the issue's bar is within 1%.
 multiple of 256, so llama.cpp mixes in its fallback types, which exercises more kernels).
 
     python benchmarks/bench_perplexity.py [--model PATH] [--requantize Q4_K_M]
-        [--text /usr/share/common-licenses/GPL-3] [--ctx 256] [--chunks 16]
+        [--text /usr/share/common-licenses/GPL-3] [--ctx 256] [--chunks 16] [--reference]
 """
 
 from __future__ import annotations
@@ -40,11 +40,15 @@ from furnace_trio.loading.loader import load_model
 from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
 
 
-def ours(model: Path, ids: list[int], bos: int | None, ctx: int, chunks: int) -> float:
-    """Perplexity by llama-perplexity's protocol through our runner (server defaults)."""
+def ours(
+    model: Path, ids: list[int], bos: int | None, ctx: int, chunks: int, quantization: str
+) -> float:
+    """Perplexity by llama-perplexity's protocol through our runner: ``auto`` is the
+    server's default (the file's blocks through the native kernels), ``none`` float32 on
+    the dequantized weights (the reference without quantized activations)."""
     loaded = load_model(str(model))
     runner = ModelRunner.from_loaded(
-        loaded, RunnerConfig(device="cpu", kv_cache_bytes=64 << 20, quantization="auto")
+        loaded, RunnerConfig(device="cpu", kv_cache_bytes=64 << 20, quantization=quantization)
     )
     first = ctx // 2
     nll, count = 0.0, 0
@@ -95,6 +99,9 @@ def main() -> None:
     parser.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
     parser.add_argument("--ctx", type=int, default=256)
     parser.add_argument("--chunks", type=int, default=16)
+    parser.add_argument(
+        "--reference", action="store_true", help="also float32 on the dequantized weights"
+    )
     args = parser.parse_args()
     model = Path(args.model) if args.model else default_model_path()
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,11 +123,16 @@ def main() -> None:
         started = time.perf_counter()
         ppl_llama = llama(model, Path(args.text), args.ctx, chunks)
         mid = time.perf_counter()
-        ppl_ours = ours(model, ids, bos, args.ctx, chunks)
+        ppl_ours = ours(model, ids, bos, args.ctx, chunks, "auto")
         done = time.perf_counter()
+        ppl_float = ours(model, ids, bos, args.ctx, chunks, "none") if args.reference else None
     print(f"llama-perplexity {ppl_llama:.4f} ({mid - started:.1f} s)")
     print(f"furnace-trio     {ppl_ours:.4f} ({done - mid:.1f} s)")
     print(f"ratio (ours / llama.cpp) {ppl_ours / ppl_llama:.4f}")
+    if ppl_float is not None:
+        print(f"float32 on the dequantized weights {ppl_float:.4f}")
+        print(f"ratio (ours / float32) {ppl_ours / ppl_float:.4f}")
+        print(f"ratio (llama.cpp / float32) {ppl_llama / ppl_float:.4f}")
 
 
 if __name__ == "__main__":
