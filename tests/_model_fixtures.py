@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -292,3 +293,56 @@ def write_tiny_gguf(tmp_path: Path, arch: str, *, tied: bool, qtype: Any = None)
     suffix = "" if qtype is None else f".{qtype.name}"
     path = tmp_path / f"{directory.name}{suffix}.gguf"
     return write_gguf(path, model.config, model.state_dict(), tokenizer_dir=directory, qtype=qtype)
+
+
+def write_random_gguf(
+    path: Path,
+    *,
+    layers: int,
+    hidden: int,
+    ff: int,
+    vocab: int,
+    qtype_of: Callable[[str], Any] | None = None,
+) -> int:
+    """A tied llama GGUF of random weights (4 heads, 2 KV heads), each 2-D weight in
+    ``qtype_of(its GGUF name)``. Returns the float32 bytes of its weights."""
+    import gguf
+    import numpy as np
+
+    heads, kv_heads = 4, 2
+    head_dim = hidden // heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    rng = np.random.default_rng(0)
+    total = 0
+
+    def add(name: str, shape: tuple[int, ...]) -> None:
+        nonlocal total
+        total += 4 * int(np.prod(shape))
+        values = rng.standard_normal(shape, dtype=np.float32) * 0.05
+        qtype = gguf.GGMLQuantizationType.Q8_0 if qtype_of is None else qtype_of(name)
+        writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", (vocab, hidden))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(layers):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, np.float32))
+        add(f"blk.{i}.attn_q.weight", (hidden, hidden))
+        add(f"blk.{i}.attn_k.weight", (kv_heads * head_dim, hidden))
+        add(f"blk.{i}.attn_v.weight", (kv_heads * head_dim, hidden))
+        add(f"blk.{i}.attn_output.weight", (hidden, hidden))
+        add(f"blk.{i}.ffn_gate.weight", (ff, hidden))
+        add(f"blk.{i}.ffn_up.weight", (ff, hidden))
+        add(f"blk.{i}.ffn_down.weight", (hidden, ff))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return total

@@ -91,15 +91,13 @@ def _round_activations(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarra
 
 
 def _exact_offsets(blocks: np.ndarray, ggml_type: int, n: int, k: int) -> np.ndarray:
-    """The part of each weight the kernel multiplies with the exact activations (Q4_0's
-    -8 d, Q5_0's -16 d, Q4_1's m); zero for the types whose offsets are integer sums."""
+    """The part of each weight the kernel multiplies with the exact activations (Q4_1's
+    m); zero for the types whose offsets meet the rounded activations (Q4_0's -8 d, Q5_0's
+    -16 d, the K-quants' integer sums)."""
     block, size = GGML_QUANT_SIZES[T(ggml_type)]
     raw = blocks.reshape(n, k // block, size)
     if ggml_type == T.Q4_1:
         per_block = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
-    elif ggml_type in (T.Q4_0, T.Q5_0):
-        d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
-        per_block = d * (-8.0 if ggml_type == T.Q4_0 else -16.0)
     else:
         return np.zeros((n, k))
     return np.repeat(per_block, block, axis=1)

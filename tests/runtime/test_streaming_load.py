@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,13 @@ from furnace_trio.runtime.build import runtime_weight_bytes
 from furnace_trio.runtime.embedding import BlockEmbedding, TableEmbedding
 from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
 
-from .._model_fixtures import llama_cpp_permute, tiny_hf_config, write_gguf, write_tiny_gguf
+from .._model_fixtures import (
+    llama_cpp_permute,
+    tiny_hf_config,
+    write_gguf,
+    write_random_gguf,
+    write_tiny_gguf,
+)
 
 Q = gguf.GGMLQuantizationType
 BLOCK = 4
@@ -177,17 +182,17 @@ def test_every_quantized_linear_goes_to_linear_from_blocks(
 def test_mixed_types_in_a_fused_linear_are_dequantized(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """q/k in one type and v in another (as Q4_K_M files mix Q4_K and Q6_K) cannot be one
-    block type: that fused linear is built from float (the same layer as from a float
-    dict), the others go to ``linear_from_blocks``."""
+    """q/k in one type and v in one that no native kernel takes (Q5_1): that fused linear
+    is built from float (the same layer as from a float dict), the others go to
+    ``linear_from_blocks`` (mixes of native types: ``test_concat_linear.py``)."""
     path = tmp_path / "mixed.gguf"
-    _write_random_gguf(
+    write_random_gguf(
         path,
         layers=2,
         hidden=64,
         ff=96,
         vocab=320,
-        qtype_of=lambda n: Q.Q4_1 if n == "blk.0.attn_v.weight" else Q.Q8_0,
+        qtype_of=lambda n: Q.Q5_1 if n == "blk.0.attn_v.weight" else Q.Q8_0,
     )
     config, weights = load_gguf(path)
     seen: list[tuple[int, int]] = []
@@ -246,63 +251,13 @@ print(json.dumps({"added": added, "runtime": runtime_weight_bytes(runner.model)}
 """
 
 
-def _write_random_gguf(
-    path: Path,
-    *,
-    layers: int,
-    hidden: int,
-    ff: int,
-    vocab: int,
-    qtype_of: Callable[[str], Q] = lambda name: Q.Q8_0,
-) -> int:
-    """A tied llama GGUF of random weights (4 heads, 2 KV heads), each 2-D weight in
-    ``qtype_of(its GGUF name)``. Returns the float32 bytes of its weights."""
-    heads, kv_heads = 4, 2
-    head_dim = hidden // heads
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(layers)
-    writer.add_context_length(256)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(ff)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(1e-5)
-    rng = np.random.default_rng(0)
-    total = 0
-
-    def add(name: str, shape: tuple[int, ...]) -> None:
-        nonlocal total
-        total += 4 * int(np.prod(shape))
-        values = rng.standard_normal(shape, dtype=np.float32) * 0.05
-        qtype = qtype_of(name)
-        writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
-
-    add("token_embd.weight", (vocab, hidden))
-    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    for i in range(layers):
-        for norm in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, np.float32))
-        add(f"blk.{i}.attn_q.weight", (hidden, hidden))
-        add(f"blk.{i}.attn_k.weight", (kv_heads * head_dim, hidden))
-        add(f"blk.{i}.attn_v.weight", (kv_heads * head_dim, hidden))
-        add(f"blk.{i}.attn_output.weight", (hidden, hidden))
-        add(f"blk.{i}.ffn_gate.weight", (ff, hidden))
-        add(f"blk.{i}.ffn_up.weight", (ff, hidden))
-        add(f"blk.{i}.ffn_down.weight", (hidden, ff))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return total
-
-
 def test_peak_resident_memory_of_a_load(tmp_path: Path) -> None:
     """In a fresh process, what loading a deep Q8_0 GGUF (24 layers, 24 MB of blocks, 92 MB
     as float32) adds to resident memory at its
     peak is the runtime weights plus about one weight in conversion, far below the model
     in float32 (what holding every weight dequantized at once needed)."""
     path = tmp_path / "deep.Q8_0.gguf"
-    float_bytes = _write_random_gguf(path, layers=24, hidden=256, ff=1024, vocab=2048)
+    float_bytes = write_random_gguf(path, layers=24, hidden=256, ff=1024, vocab=2048)
     script = textwrap.dedent(_PEAK_SCRIPT)
     src = str(Path(__file__).resolve().parents[2] / "src")
     done = subprocess.run(

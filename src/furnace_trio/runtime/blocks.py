@@ -25,7 +25,9 @@ or otherwise, so loading needs the packed weight's bytes plus one block's worth.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -121,3 +123,45 @@ def linear_from_blocks(
             f"got {blocks.size} of {blocks.dtype}"
         )
     return BlockLinear(np.ascontiguousarray(blocks).reshape(-1), ggml_type, shape, bias, kernels)
+
+
+def takes_blocks(ggml_type: int, in_features: int, kernels: native.Kernels | None) -> bool:
+    """Whether :func:`linear_from_blocks` builds a native layer for a tensor of
+    ``ggml_type`` with rows of ``in_features`` weights."""
+    if kernels is None or ggml_type not in BLOCK_FORMATS:
+        return False
+    block_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][0]
+    return in_features > 0 and in_features % block_size == 0
+
+
+class ConcatLinear(NativeLinear):
+    """Native layers side by side, their outputs concatenated: a fused projection (q/k/v,
+    gate/up) whose parts the file stores in different block types, as llama.cpp's mixes do
+    (Q4_K_M keeps ``attn_v`` in Q6_K beside Q4_K queries and keys). Each part computes its
+    outputs as it would alone, so the layer is as batch invariant as its parts; in
+    ``furnace_decode_layers``' table it is one ``LINEAR_CONCAT`` entry pointing to theirs."""
+
+    table_kind = native.LINEAR_CONCAT
+
+    def __init__(self, parts: Sequence[NativeLinear], kernels: native.Kernels) -> None:
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("the parts of a concatenated layer must share their input size")
+        out_features = sum(p.out_features for p in parts)
+        super().__init__((out_features, parts[0].in_features), None, kernels)
+        self.parts = nn.ModuleList(parts)
+        self.label = " + ".join(p.label for p in parts)
+        entries = [len(parts)]
+        for part in parts:
+            entries += [*part.table_row(), part.out_features]
+        # The parts' table entries (addresses of their packed weights, which self.parts
+        # keeps alive), read by the C code through table_row's weight address.
+        self.packed = torch.tensor(entries, dtype=torch.int64)
+
+    def _multiply(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        at = 0
+        for module in self.parts:
+            part = cast(NativeLinear, module)
+            y = torch.empty((x.shape[0], part.out_features), dtype=torch.float32)
+            part._multiply(x, y)
+            out[:, at : at + part.out_features] = y
+            at += part.out_features

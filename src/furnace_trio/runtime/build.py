@@ -38,7 +38,7 @@ from torch import nn
 
 from furnace_trio.loading.tensors import LazyWeights, TensorRecord
 from furnace_trio.runtime import native
-from furnace_trio.runtime.blocks import linear_from_blocks
+from furnace_trio.runtime.blocks import ConcatLinear, linear_from_blocks, takes_blocks
 from furnace_trio.runtime.embedding import BlockEmbedding, Embedding, TableEmbedding
 from furnace_trio.runtime.model import Linear
 from furnace_trio.runtime.quant import FourBit, NativeLinear, _quantized
@@ -106,6 +106,10 @@ class WeightBuilder:
             if len(qtypes) == 1:
                 blocks = np.concatenate([self._blocks(n) for n in names])
                 return self._from_blocks(kind, blocks, qtypes.pop(), bias)
+            if self._mode == "auto" and self._kernels is not None:
+                mixed = [r for r in records if r is not None]
+                if all(takes_blocks(r.ggml_type, r.shape[-1], self._kernels) for r in mixed):
+                    return self._concat(names, mixed, bias, self._kernels)
         return self._quantize(kind, self._stacked_float(names), bias)
 
     def embedding(self, name: str = _EMBEDDING) -> Embedding:
@@ -205,6 +209,28 @@ class WeightBuilder:
         return self._quantize(
             kind, torch.from_numpy(np.ascontiguousarray(weight, np.float32)), bias
         )
+
+    def _concat(
+        self,
+        names: Sequence[str],
+        records: Sequence[TensorRecord],
+        bias: torch.Tensor | None,
+        kernels: native.Kernels,
+    ) -> nn.Module:
+        """A fused layer of parts in different block types, each native from its blocks."""
+        sizes = [r.shape[0] for r in records]
+        biases = [None] * len(sizes) if bias is None else list(bias.split(sizes))
+        parts: list[NativeLinear] = []
+        for name, record, part_bias in zip(names, records, biases, strict=True):
+            shape = (record.shape[0], record.shape[-1])
+            layer = linear_from_blocks(
+                self._blocks(name), record.ggml_type, shape, part_bias, kernels
+            )
+            if not isinstance(layer, NativeLinear):
+                raise RuntimeError(f"{name}: no native layer for {record.ggml_type.name}")
+            self.counts[layer.counts_as] = self.counts.get(layer.counts_as, 0) + 1
+            parts.append(layer)
+        return ConcatLinear(parts, kernels)
 
     def _quantize(self, kind: str, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
         layer = _quantized(kind, weight, bias, self._kernels, _FOUR_BIT[self._mode])

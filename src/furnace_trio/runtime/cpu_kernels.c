@@ -988,12 +988,43 @@ enum {
 enum {
     LINEAR_W8 = 0, LINEAR_Q4 = 1, LINEAR_Q8 = 2,
     /* GGUF's blocks (furnace_kq_pack): */
-    LINEAR_Q4_0 = 3, LINEAR_Q5_0 = 4, LINEAR_Q4_K = 5, LINEAR_Q5_K = 6, LINEAR_Q6_K = 7
+    LINEAR_Q4_0 = 3, LINEAR_Q5_0 = 4, LINEAR_Q4_K = 5, LINEAR_Q5_K = 6, LINEAR_Q6_K = 7,
+    /* Several of the above side by side (a fused projection whose parts a file stores in
+     * different types): entry 1 points to [count, then per part its four entries and its
+     * output width]. */
+    LINEAR_CONCAT = 8
 };
 
 int furnace_layer_ptrs(void) { return LAYER_PTRS; }
 
+/* Forward declaration: concat_linear and table_linear call each other. */
+static int table_linear(const int64_t *p, int i, const float *x, int64_t M, int64_t K,
+                        int64_t N, float *y, float *qs);
+
 #define PTR(type, i) ((type)(intptr_t)p[i])
+
+/* LINEAR_CONCAT: each part into a buffer of its own width, then into its columns of y.
+ * Each part computes its outputs as it would alone (the same kernel, the same order). */
+static int concat_linear(const int64_t *parts, const float *x, int64_t M, int64_t K, int64_t N,
+                         float *y, float *qs) {
+    const int64_t count = parts[0];
+    int64_t widest = 0;
+    for (int64_t c = 0; c < count; c++) widest = parts[5 + 5 * c] > widest ? parts[5 + 5 * c] : widest;
+    float *part = (float *)malloc(sizeof(float) * (M * widest > 0 ? M * widest : 1));
+    if (!part) return -1;
+    int64_t at = 0;
+    for (int64_t c = 0; c < count; c++) {
+        const int64_t *entry = parts + 1 + 5 * c, n = entry[4];
+        if (table_linear(entry, 0, x, M, K, n, part, qs)) {
+            free(part);
+            return -1;
+        }
+        for (int64_t m = 0; m < M; m++) memcpy(y + m * N + at, part + m * n, sizeof(float) * n);
+        at += n;
+    }
+    free(part);
+    return 0;
+}
 
 /* The linear layer whose four table entries start at p[i]: y = x W^T (+ b). qs: scratch
  * for quantized activations (the block formats), M * K floats (more than they need).
@@ -1005,6 +1036,7 @@ static int table_linear(const int64_t *p, int i, const float *x, int64_t M, int6
                                     [LINEAR_Q6_K] = GG_Q6_K};
     const uint8_t *w = PTR(const uint8_t *, i + 1);
     const float *bias = PTR(const float *, i + 3);
+    if (p[i] == LINEAR_CONCAT) return concat_linear(PTR(const int64_t *, i + 1), x, M, K, N, y, qs);
     if (p[i] == LINEAR_Q4 || p[i] == LINEAR_Q8)
         furnace_qx_linear(p[i] == LINEAR_Q4 ? 4 : 8, x, M, K, w, bias, N, y, qs);
     else if (p[i] >= LINEAR_Q4_0 && p[i] <= LINEAR_Q6_K)

@@ -16,6 +16,7 @@ LINEAR_Q5_0 = 4
 LINEAR_Q4_K = 5
 LINEAR_Q5_K = 6
 LINEAR_Q6_K = 7
+LINEAR_CONCAT = 8  # several of the above side by side (blocks.ConcatLinear)
 
 
 @dataclass(frozen=True, slots=True)
