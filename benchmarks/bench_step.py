@@ -37,8 +37,9 @@ from furnace_trio.runtime.model import KVCache
 def _plans(
     mod: Any, ctx: int, n: int, block: int, contexts: tuple[int, ...] = ()
 ) -> dict[str, Any]:
-    plan_mod = importlib.import_module(f"{mod.__name__.rsplit('.', 1)[0]}.plan")
-    params_mod = importlib.import_module(f"{mod.__name__.rsplit('.', 1)[0]}.params")
+    package = mod.__name__.split(".", 1)[0]  # furnace_trio or a baseline copy
+    plan_mod = importlib.import_module(f"{package}.core.plan")
+    params_mod = importlib.import_module(f"{package}.core.params")
     params = params_mod.SamplingParams(temperature=0.0, max_tokens=16)
     C, S, P = plan_mod.ChunkPlan, plan_mod.StepPlan, plan_mod.SampleSpec
 
@@ -113,7 +114,7 @@ def main() -> None:
     sides = {"current": (current, kv_dtypes[0])}
     if args.baseline:
         sys.path.insert(0, args.baseline)
-        sides["baseline"] = (importlib.import_module("furnace_base.runner"), kv_dtypes[0])
+        sides["baseline"] = (importlib.import_module("furnace_base.runtime.runner"), kv_dtypes[0])
     elif len(kv_dtypes) > 1:
         sides[f"kv {kv_dtypes[1]}"] = (current, kv_dtypes[1])
     print(f"threads {torch.get_num_threads()}, cpu {torch.backends.cpu.get_cpu_capability()}")
