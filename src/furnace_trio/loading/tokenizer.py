@@ -594,7 +594,7 @@ def read_gguf_metadata(path: str | Path, *, prefix: str = "") -> dict[str, Any]:
     except ValueError as exc:
         if isinstance(exc, UnsupportedModelError):
             raise
-        raise UnsupportedModelError(f"{path}: truncated or corrupt GGUF metadata") from exc
+        raise UnsupportedModelError(f"{path}: truncated or corrupt GGUF metadata: {exc}") from exc
     return {k: v for k, v in metadata.items() if k.startswith(prefix)}
 
 
