@@ -147,8 +147,10 @@ def register(app: QuartTrio, state: ServerState) -> None:
                 }
             )
             return Response(b"", status=204, headers=headers)
-        if request.method in BODY_METHODS and not is_json_content_type(
-            request.headers.get("Content-Type")
+        if (
+            request.method in BODY_METHODS
+            and request.routing_exception is None  # a route takes it (else 404 or 405)
+            and not is_json_content_type(request.headers.get("Content-Type"))
         ):
             given = request.headers.get("Content-Type")
             raise APIError(
