@@ -153,9 +153,10 @@ def register(app: QuartTrio, state: ServerState) -> None:
             and not is_json_content_type(request.headers.get("Content-Type"))
         ):
             given = request.headers.get("Content-Type")
+            what = "No Content-Type" if given is None else f"Content-Type {given!r}"
             raise APIError(
                 415,
-                f"Unsupported Content-Type {given!r}: send the request body as application/json.",
+                f"{what}: send the request body as JSON, with Content-Type: application/json.",
                 code="unsupported_media_type",
             )
         return None
