@@ -143,6 +143,16 @@ def test_hostile_or_broken_templates_fail_cleanly(source: str) -> None:
         "{{ ('a\n' * 500000) | indent(100) | length }}",
         "{{ [1] | batch(20000000, 0) | list | length }}",
         "{% set s = 'x' * 1000000 %}{% for i in range(100) %}{{ s }}{% endfor %}",
+        # Buffers filled in a loop, joined only at their end: a block set and a macro.
+        "{% set s = 'x' * 1000000 %}{% set b %}{% for i in range(100) %}{{ s }}"
+        "{% endfor %}{% endset %}{{ b | length }}",
+        "{% set s = 'x' * 1000000 %}{% macro m() %}{% for i in range(100) %}{{ s }}"
+        "{% endfor %}{% endmacro %}{{ m() | length }}",
+        "{{ ('a'.encode() * 100000000) | length }}",
+        "{{ '{:>{w}}'.format_map({'w': 100000000}) | length }}",
+        "{{ {'a': [1, [2]]} | tojson(indent=100000000) | length }}",
+        "{{ lipsum(n=1000000) | length }}",
+        "{{ ('a ' * 500000) | wordwrap(1, wrapstring='x' * 100) | length }}",
     ],
 )
 def test_templates_cannot_build_huge_strings(source: str) -> None:

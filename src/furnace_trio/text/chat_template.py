@@ -87,14 +87,14 @@ class _GenerationTagExtension(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
-def _make_environment() -> jinja2.Environment:
+def _make_environment() -> BoundedSandbox:
     env = BoundedSandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTagExtension, jinja2.ext.loopcontrols],
         undefined=jinja2.Undefined,
     )
-    env.filters["tojson"] = _tojson
+    env.add_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env

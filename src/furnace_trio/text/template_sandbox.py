@@ -12,7 +12,10 @@ This module adds both:
   filters that take a width or a count); every call, filter, ``~`` concatenation and the
   output as a whole are checked after. So ``'a'.center(67108864)`` fails without
   allocating, and a string doubled in a loop stops at the limit.
-- *Time.* Every loop iteration, call and filter ticks a per-rendering budget of thread
+- *Writing.* What a rendering writes, to its output and to the buffers of ``{% set %}``
+  blocks and macros together, is counted against :data:`MAX_EMITTED_CHARS`: a buffer
+  filled in a loop is refused before it is joined.
+- *Time.* Every loop iteration, call, filter and piece of output ticks a per-rendering budget of thread
   CPU time (:func:`render_budget`), so nested loops over ``range(100000)`` end with an
   error instead of holding a worker thread for hours.
 
@@ -31,7 +34,7 @@ import operator
 import re
 import string
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,9 +43,11 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.runtime
 import jinja2.sandbox
+import jinja2.utils
 import jinja2.visitor
 
 __all__ = [
+    "MAX_EMITTED_CHARS",
     "MAX_ITEMS",
     "MAX_REPEAT_RESULT",
     "MAX_STRING_CHARS",
@@ -61,6 +66,9 @@ MAX_REPEAT_RESULT = 1 << 20
 MAX_STRING_CHARS = 1 << 24
 #: The most items of a list, tuple or dict a template may build.
 MAX_ITEMS = 1 << 20
+#: The most characters one rendering may write, into its output and into the buffers of
+#: ``{% set %}`` blocks and macros together (what those buffers are later joined from).
+MAX_EMITTED_CHARS = 4 * MAX_STRING_CHARS
 #: Thread CPU time one rendering may take (real templates take about a millisecond).
 RENDER_CPU_S = 2.0
 # How many ticks pass between two reads of the thread's CPU clock.
@@ -76,11 +84,17 @@ class _Budget:
     deadline: float  # on time.thread_time()'s clock
     cpu_s: float
     ticks: int = 0
+    emitted: int = 0
 
     def tick(self) -> None:
         self.ticks += 1
         if self.ticks % _TICKS_PER_CHECK == 0 and time.thread_time() > self.deadline:
             raise TemplateLimitError(f"rendering took more than {self.cpu_s:g} s of CPU time")
+
+    def emit(self, chars: int) -> None:
+        self.emitted += chars
+        if self.emitted > MAX_EMITTED_CHARS:
+            raise TemplateLimitError(f"wrote more than {MAX_EMITTED_CHARS} characters")
 
 
 # The rendering in progress in this thread (context), if any: set by render_budget().
@@ -107,7 +121,7 @@ def _tick() -> None:
 
 def _check_size(value: Any) -> Any:
     """``value``, unless it is a string or collection past the limits."""
-    if isinstance(value, str):
+    if isinstance(value, str | bytes):
         if len(value) > MAX_STRING_CHARS:
             raise TemplateLimitError(f"string too long (over {MAX_STRING_CHARS} characters)")
     elif isinstance(value, list | tuple | dict | set | frozenset) and len(value) > MAX_ITEMS:
@@ -179,7 +193,9 @@ def _str_method_result(method: Any, args: tuple[Any, ...], kwargs: dict[str, Any
     owner = getattr(method, "__self__", None)
     wrapped = getattr(method, "__wrapped__", None)  # Jinja's sandboxed str.format
     if wrapped is not None and isinstance(getattr(wrapped, "__self__", None), str):
-        _check_str_format(wrapped.__self__, [*args, *kwargs.values()])
+        values = [*args, *kwargs.values()]
+        values += [v for a in args if isinstance(a, Mapping) for v in a.values()]  # format_map
+        _check_str_format(wrapped.__self__, values)
         return
     if not isinstance(owner, str):
         return
@@ -210,6 +226,9 @@ def _check_join(sep: str, items: object) -> None:
         )
 
 
+_MAX_JSON_INDENT = 64
+_MAX_LIPSUM = 100
+
 _JINJA_CONTEXTS = (jinja2.runtime.Context, jinja2.nodes.EvalContext, jinja2.Environment)
 
 
@@ -228,6 +247,16 @@ def _bounded_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
             per_line = len(width) if isinstance(width, str) else width
             if isinstance(per_line, int):
                 _check_length(len(values[0]) + (values[0].count("\n") + 1) * per_line)
+        elif name == "tojson":
+            indent = values[2] if len(values) > 2 else kwargs.get("indent")
+            size = len(indent) if isinstance(indent, str) else indent
+            if isinstance(size, int) and size > _MAX_JSON_INDENT:
+                raise TemplateLimitError(f"tojson indent {size} is over {_MAX_JSON_INDENT}")
+        elif name == "wordwrap" and values and isinstance(values[0], str):
+            width = values[1] if len(values) > 1 else kwargs.get("width", 79)
+            wrap = values[3] if len(values) > 3 else kwargs.get("wrapstring", "\n")
+            if isinstance(width, int) and isinstance(wrap, str) and width > 0:
+                _check_length(len(values[0]) + (len(values[0]) // width + 1) * len(wrap))
         elif name == "format" and values:
             _check_printf(values[0], tuple(values[1:]) or tuple(kwargs.values()))
         elif name == "replace" and len(values) >= 3:
@@ -242,6 +271,13 @@ def _bounded_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
     return bounded
 
 
+def _bounded_lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:
+    """Jinja's ``lipsum`` global, for at most :data:`_MAX_LIPSUM` paragraphs and words."""
+    if n > _MAX_LIPSUM or max > _MAX_LIPSUM:
+        raise TemplateLimitError(f"lipsum of more than {_MAX_LIPSUM} paragraphs or words")
+    return str(jinja2.utils.generate_lorem_ipsum(n=n, html=html, min=min, max=max))
+
+
 class _BudgetExtension(jinja2.ext.Extension):
     """What the rewritten template calls: its loops' iterables and concatenations go
     through here (see :func:`bounded_template_ast`)."""
@@ -254,10 +290,18 @@ class _BudgetExtension(jinja2.ext.Extension):
     def sized(self, value: Any) -> Any:
         return _check_size(value)
 
+    def emitted(self, value: Any) -> Any:
+        budget = _BUDGET.get()
+        if budget is not None:
+            budget.tick()
+            budget.emit(len(value) if isinstance(value, str) else len(str(value)))
+        return value
+
 
 class _Bounder(jinja2.visitor.NodeTransformer):
-    """Rewrites ``for x in it`` to ``for x in <budget>.loop(it)`` and ``a ~ b`` to
-    ``<budget>.sized(a ~ b)``; the extension attribute cannot be shadowed by a template."""
+    """Rewrites ``for x in it`` to ``for x in <budget>.loop(it)``, ``a ~ b`` to
+    ``<budget>.sized(a ~ b)`` and each piece of output ``x`` to ``<budget>.emitted(x)``;
+    the extension attribute cannot be shadowed by a template."""
 
     def __init__(self) -> None:
         self.identifier = _BudgetExtension.identifier
@@ -274,6 +318,11 @@ class _Bounder(jinja2.visitor.NodeTransformer):
     def visit_Concat(self, node: jinja2.nodes.Concat) -> jinja2.nodes.Node:
         self.generic_visit(node)
         return self._call("sized", node)
+
+    def visit_Output(self, node: jinja2.nodes.Output) -> jinja2.nodes.Node:
+        self.generic_visit(node)
+        node.nodes = [self._call("emitted", child) for child in node.nodes]
+        return node
 
 
 def bounded_template_ast(env: jinja2.Environment, source: str) -> jinja2.nodes.Template:
@@ -293,6 +342,11 @@ class BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         extensions = [*options.pop("extensions", ()), _BudgetExtension]
         super().__init__(extensions=extensions, **options)
         self.filters = {name: _bounded_filter(name, f) for name, f in self.filters.items()}
+        self.globals["lipsum"] = _bounded_lipsum
+
+    def add_filter(self, name: str, func: Callable[..., Any]) -> None:
+        """Install a filter with the bounds every filter here has."""
+        self.filters[name] = _bounded_filter(name, func)
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         # Jinja returns an Undefined that only raises when used further, so
@@ -318,7 +372,7 @@ class BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         if operator_ == "*":
             for seq, count in ((left, right), (right, left)):
                 if (
-                    isinstance(seq, str | list | tuple)
+                    isinstance(seq, str | bytes | list | tuple)
                     and isinstance(count, int)
                     and len(seq) * count > MAX_REPEAT_RESULT
                 ):
