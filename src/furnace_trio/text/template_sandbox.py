@@ -362,6 +362,8 @@ class BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         *args: Any,
         **kwargs: Any,
     ) -> Any:
+        if type(getattr(__obj, "__self__", None)) is _BudgetExtension:
+            return __obj(*args)  # the rewriting's own calls: they check themselves
         _tick()
         _str_method_result(__obj, args, kwargs)
         return _check_size(super().call(__context, __obj, *args, **kwargs))
