@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from furnace_trio.runtime import native
+from furnace_trio.runtime.native import cache as library_cache
 from furnace_trio.runtime.native import library
 from furnace_trio.runtime.native.config import NativeConfig
 from furnace_trio.runtime.quant import (
@@ -100,6 +105,69 @@ def test_build_failure_falls_back(
         assert native.load(NativeConfig(cache_dir=tmp_path / "cache")) is None
     assert "build failed" in caplog.text
     assert not list((tmp_path / "cache").glob("*.so"))  # no half-built library is kept
+
+
+_LOAD_IN_A_NEW_PROCESS = """
+import logging, sys
+from pathlib import Path
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from furnace_trio.runtime import native
+kernels = native.load(native.NativeConfig(cache_dir=Path(sys.argv[1])))
+print(kernels.path if kernels is not None else "none")
+"""
+
+
+def _load_in_a_new_process(cache: Path) -> subprocess.CompletedProcess[str]:
+    """A fresh process, as a server start is (this one has the library loaded already)."""
+    src = str(Path(native.__file__).resolve().parents[3])
+    env = {**os.environ, "PYTHONPATH": src}
+    return subprocess.run(
+        [sys.executable, "-c", _LOAD_IN_A_NEW_PROCESS, str(cache)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path: Path) -> None:
+    """A truncated ``.so`` in the cache killed every start with SIGBUS in ``dlopen``; it
+    is found before loading, logged and rebuilt."""
+    first = _load_in_a_new_process(tmp_path)
+    assert first.returncode == 0, first.stderr
+    library = Path(first.stdout.strip())
+    assert library.parent == tmp_path and library_cache.cache_problem(library) is None
+    whole = library.read_bytes()
+    library.write_bytes(whole[: len(whole) // 2])
+    assert library_cache.cache_problem(library) is not None
+    second = _load_in_a_new_process(tmp_path)
+    assert second.returncode == 0, (second.returncode, second.stderr)
+    assert second.stdout.strip() == str(library)
+    assert "rebuilding it" in second.stderr and "truncated" in second.stderr
+    assert library_cache.cache_problem(library) is None
+    # A flipped byte of a full-length file is caught by the digest.
+    data = bytearray(library.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    library.write_bytes(bytes(data))
+    assert library_cache.cache_problem(library) == "corrupt (its digest does not match)"
+
+
+def test_temporaries_of_killed_builds_are_removed(tmp_path: Path) -> None:
+    stale = [tmp_path / "tmpab12cd.so", tmp_path / "cpu_kernels-x.so.k3j2.so.tmp"]
+    fresh = tmp_path / "tmpnew.so"  # a build in progress in another process
+    for path in [*stale, fresh]:
+        path.write_bytes(b"\x7fELF partial")
+    old = time.time() - library_cache.STALE_TEMPORARY_S - 60
+    for path in stale:
+        os.utime(path, (old, old))
+    loaded = _load_in_a_new_process(tmp_path)
+    assert loaded.returncode == 0, loaded.stderr
+    assert not any(path.exists() for path in stale)
+    assert fresh.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [fresh.name, Path(loaded.stdout.strip()).name]
+    )
 
 
 def _w8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):

@@ -110,7 +110,7 @@ async def test_disconnect_before_the_body_starts() -> None:
         "query_string": b"",
         "root_path": "",
         "headers": [
-            (b"host", b"test"),
+            (b"host", b"localhost"),
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
         ],

@@ -64,7 +64,7 @@ async def test_bad_chat_bodies(
     async with httpx.AsyncClient(base_url=served.url) as http:
         if isinstance(body, bytes):
             response = await http.post(
-                "/v1/chat/completions", content=body, headers={"content-type": "text/plain"}
+                "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
             )
         else:
             response = await http.post("/v1/chat/completions", json=body)
@@ -236,7 +236,7 @@ async def test_an_error_answered_before_the_body_leaves_the_connection_usable(
     async with await trio.open_tcp_stream(host, int(port)) as stream:
         with trio.fail_after(10):
             await stream.send_all(
-                f"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: {body_size}\r\n\r\n".encode()
+                f"POST /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: {body_size}\r\n\r\n".encode()
             )
             # the response starts (and waits for the body) before the body is sent
             await wait_until(lambda: served.state.http_responses[405] == 1, "the 405 started")
@@ -244,7 +244,7 @@ async def test_an_error_answered_before_the_body_leaves_the_connection_usable(
             status, headers = await _read_response(stream, buffer)
             assert status == 405
             assert headers.get("connection") != "close"
-            await stream.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            await stream.send_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
             status, _ = await _read_response(stream, buffer)
             assert status == 200
 
@@ -261,7 +261,7 @@ async def test_an_error_whose_body_never_comes_says_connection_close(
     async with await trio.open_tcp_stream(host, int(port)) as stream:
         with trio.fail_after(10):
             await stream.send_all(
-                b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+                b"POST /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n"
             )
             status, headers = await _read_response(stream, buffer)
             assert status == 405

@@ -125,6 +125,68 @@ def test_hostile_or_broken_templates_fail_cleanly(source: str) -> None:
     assert messages == [{"role": "user", "content": "hi"}]
 
 
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ 'a'.center(67108864) | length }}",
+        "{{ 'a' | center(67108864) }}",
+        "{{ 'a'.ljust(100000000) | length }}",
+        # A string doubled in a loop (2**27 characters unbounded), with ~ and with +.
+        "{% set ns = namespace(s='ab') %}{% for i in range(26) %}"
+        "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}",
+        "{% set ns = namespace(s='ab') %}{% for i in range(26) %}"
+        "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s | length }}",
+        "{{ '%0100000000d' | format(1) | length }}",
+        "{{ ('%.100000000f' % 1.0) | length }}",
+        "{{ '{:>{w}}'.format(1, w=100000000) | length }}",
+        "{{ ('a' * 1000000).replace('', 'bb' * 20) | length }}",
+        "{{ ('a\n' * 500000) | indent(100) | length }}",
+        "{{ [1] | batch(20000000, 0) | list | length }}",
+        "{% set s = 'x' * 1000000 %}{% for i in range(100) %}{{ s }}{% endfor %}",
+        # Buffers filled in a loop, joined only at their end: a block set and a macro.
+        "{% set s = 'x' * 1000000 %}{% set b %}{% for i in range(100) %}{{ s }}"
+        "{% endfor %}{% endset %}{{ b | length }}",
+        "{% set s = 'x' * 1000000 %}{% macro m() %}{% for i in range(100) %}{{ s }}"
+        "{% endfor %}{% endmacro %}{{ m() | length }}",
+        "{{ ('a'.encode() * 100000000) | length }}",
+        "{{ '{:>{w}}'.format_map({'w': 100000000}) | length }}",
+        "{{ {'a': [1, [2]]} | tojson(indent=100000000) | length }}",
+        "{{ lipsum(n=1000000) | length }}",
+        "{{ ('a ' * 500000) | wordwrap(1, wrapstring='x' * 100) | length }}",
+    ],
+)
+def test_templates_cannot_build_huge_strings(source: str) -> None:
+    with pytest.raises(ChatTemplateError, match="exceeded a limit"):
+        render_chat_template(source, [{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{% for a in range(100000) %}{% for b in range(3000) %}{% endfor %}{% endfor %}",
+        "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+        "{{ f(28) }}",
+    ],
+)
+def test_template_loops_have_a_cpu_budget(source: str) -> None:
+    template = ChatTemplate(source, cpu_s=0.2)
+    with pytest.raises(ChatTemplateError, match=r"more than 0\.2 s of CPU time"):
+        template.render([])
+
+
+def test_ordinary_formatting_and_loops_still_work() -> None:
+    source = (
+        "{% for m in messages %}{{ m.role }}:{{ m.content | trim }}"
+        "{% if not loop.last %}|{% endif %}{% endfor %}"
+        "{{ '%5d' | format(3) }}{{ 'x'.center(5) }}{{ '{:>4}'.format(1) }}"
+        "{{ [1, 2] + [3] }}{{ ', '.join(['a', 'b']) }}{{ 'ab' * 2 }}"
+    )
+    messages = [{"role": "user", "content": " hi "}, {"role": "assistant", "content": "yo"}]
+    assert render_chat_template(source, messages) == (
+        "user:hi|assistant:yo    3  x     1[1, 2, 3]a, babab"
+    )
+
+
 def test_template_must_be_text() -> None:
     with pytest.raises(ChatTemplateError):
         ChatTemplate("")

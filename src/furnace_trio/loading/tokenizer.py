@@ -18,6 +18,11 @@ BOS handling: ``encode(text)`` adds BOS exactly when the model says so
 (``add_bos_token``), never twice; chat prompts are rendered to text with
 :meth:`Tokenizer.apply_chat_template` (which writes any BOS the template wants as text)
 and encoded with ``add_special_tokens=False``.
+
+Special tokens: ``encode`` turns special-token texts into their ids (a raw prompt may
+write ``<|im_start|>`` on purpose). A conversation is rendered with its client strings
+protected (:mod:`furnace_trio.text.special_text`) and encoded by :meth:`encode_chat`, so
+only the template's own markers become special tokens.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from furnace_trio.loading.gguf_file import read_gguf
 from furnace_trio.loading.model_config import UnsupportedModelError
 from furnace_trio.text.chat_template import ChatTemplateError, compile_chat_template
+from furnace_trio.text.special_text import ChatText, SpecialTexts, new_marker
 
 logger = logging.getLogger(__name__)
 
@@ -210,8 +216,10 @@ class Tokenizer:
         "_post_adds_bos",
         "add_bos_token",
         "bos_token_id",
+        "chat_marker",
         "chat_template",
         "eos_token_ids",
+        "special_texts",
         "vocab_size",
     )
 
@@ -238,6 +246,11 @@ class Tokenizer:
 
         added = hf.get_added_tokens_decoder()
         self._added_bytes: dict[int, bytes] = {i: t.content.encode() for i, t in added.items()}
+        #: What client text in a conversation must not become (see :meth:`encode_chat`).
+        self.special_texts = SpecialTexts.of(t.content for t in added.values() if t.special)
+        #: The marker of every rendering by this tokenizer: random per process, so no
+        #: client can predict it, and fixed, so a session's history renders the same.
+        self.chat_marker = new_marker()
         eos: set[int] = set()
         if eos_token_id is not None:
             eos.add(eos_token_id)
@@ -536,6 +549,15 @@ class Tokenizer:
             **kwargs,
         )
 
+    def encode_chat(self, chat: ChatText, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of a rendered conversation, one marker-separated segment at a time
+        (see :mod:`furnace_trio.text.special_text`): special-token texts the client wrote
+        stay text. ``add_special_tokens`` applies to the first segment (a BOS)."""
+        ids: list[int] = []
+        for index, segment in enumerate(chat.segments):
+            ids += self.encode(segment, add_special_tokens=add_special_tokens and index == 0)
+        return ids
+
     def render_and_encode_chat(
         self,
         messages: list[dict[str, Any]],
@@ -544,11 +566,16 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> list[int]:
-        """:meth:`apply_chat_template` then ``encode(..., add_special_tokens=False)``."""
+        """The prompt ids of a conversation: its strings protected, rendered with
+        :meth:`apply_chat_template`, then :meth:`encode_chat`."""
+        marker = self.chat_marker
         text = self.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+            self.special_texts.protect(messages, marker),
+            add_generation_prompt=add_generation_prompt,
+            tools=self.special_texts.protect(tools, marker),
+            **kwargs,
         )
-        return self.encode(text, add_special_tokens=False)
+        return self.encode_chat(ChatText(text, marker))
 
     def __repr__(self) -> str:
         return (
@@ -567,7 +594,7 @@ def read_gguf_metadata(path: str | Path, *, prefix: str = "") -> dict[str, Any]:
     except ValueError as exc:
         if isinstance(exc, UnsupportedModelError):
             raise
-        raise UnsupportedModelError(f"{path}: truncated or corrupt GGUF metadata") from exc
+        raise UnsupportedModelError(f"{path}: truncated or corrupt GGUF metadata: {exc}") from exc
     return {k: v for k, v in metadata.items() if k.startswith(prefix)}
 
 

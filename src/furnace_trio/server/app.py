@@ -23,6 +23,7 @@ from furnace_trio.server.asgi import AbortOnExit
 from furnace_trio.server.config import ServerConfig
 from furnace_trio.server.error_handlers import register_error_handlers
 from furnace_trio.server.lifecycle import drain, drain_then, start_backend, stop_backend
+from furnace_trio.server.request_guard import register as register_request_guard
 from furnace_trio.server.routes import register_routes
 from furnace_trio.server.state import STATE_KEY, BackendFactory, ServerState
 
@@ -54,6 +55,7 @@ def create_app(
         await stop_backend(state)
 
     register_error_handlers(app)
+    register_request_guard(app, state)  # before the routes' own checks (the API key)
     register_routes(app, state)
     return app
 

@@ -72,6 +72,9 @@ class ServerConfig:
     # The native CPU kernels (False: torch kernels only) and how they are built.
     native: bool = True
     native_build: NativeConfig = DEFAULT_NATIVE_CONFIG
+    # Browser defences (furnace_trio.server.request_guard): extra Host names, CORS origins.
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -188,6 +191,8 @@ class ServerConfig:
             ),
             native=_flag(environ, "FURNACE_NATIVE", defaults.native),
             native_build=_native_build(environ),
+            allowed_hosts=_names(environ, "FURNACE_ALLOWED_HOSTS", origins=False),
+            cors_origins=_names(environ, "FURNACE_CORS_ORIGINS", origins=True),
         )
 
     @property
@@ -210,6 +215,22 @@ def _positive_float(
     if not (number > 0 and number != float("inf")):
         raise ConfigError(f"{name} must be > 0, got {value!r}")
     return number
+
+
+def _names(environ: Mapping[str, str], name: str, *, origins: bool) -> tuple[str, ...]:
+    """A comma-separated list, lowercase: host names or origins (``scheme://host[:port]``,
+    checked here); ``*`` stands for any."""
+    out = []
+    for item in environ.get(name, "").split(","):
+        value = item.strip().lower()
+        if origins and value not in ("", "*"):
+            value = value.rstrip("/")
+            scheme, sep, rest = value.partition("://")
+            if scheme not in ("http", "https") or not sep or not rest or "/" in rest:
+                raise ConfigError(f"{name}: {item.strip()!r} is not an origin like https://host")
+        if value:
+            out.append(value)
+    return tuple(out)
 
 
 def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:

@@ -25,6 +25,7 @@ _ERROR_STATUSES: Mapping[str, str] = {
     "404": "Unknown model, session or response.",
     "409": "Another turn of this session (or continuation of this response) is running.",
     "413": "The body is larger than the server accepts.",
+    "415": "The body is not sent as application/json.",
     "500": "The model failed on this request.",
     "503": "Busy (with Retry-After), draining, or the engine is down.",
 }
@@ -38,7 +39,7 @@ def _errors(*statuses: str) -> dict[str, Any]:
     return {s: _json(ref("Error"), _ERROR_STATUSES[s]) for s in statuses}
 
 
-_GENERATION_ERRORS = ("400", "401", "404", "413", "500", "503")
+_GENERATION_ERRORS = ("400", "401", "404", "413", "415", "500", "503")
 _SSE_DESCRIPTION = (
     "With stream=true: server-sent events, one `data: <{}>` per chunk, an error object as "
     '`data: {{"error": ...}}` if generation fails mid-stream, then `data: [DONE]`. The schema '
@@ -149,7 +150,7 @@ def _tokenizer_call(summary: str, operation: str, name: str, answer: str) -> dic
             "content": {"application/json": {"schema": ref(f"{name}Request")}},
         },
         "responses": {"200": _json(ref(f"{name}Response"), answer)}
-        | _errors("400", "401", "404", "413", "503"),
+        | _errors("400", "401", "404", "413", "415", "503"),
     }
 
 

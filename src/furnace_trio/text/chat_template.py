@@ -2,9 +2,9 @@
 
 A chat template is Jinja2 source that ships with the model (``tokenizer_config.json``,
 ``chat_template.jinja`` or the GGUF's ``tokenizer.chat_template``). It is untrusted input:
-it runs in :class:`jinja2.sandbox.ImmutableSandboxedEnvironment`, so it cannot reach Python
-internals (``''.__class__.__mro__``), mutate the messages it is given, or build huge
-strings and ranges. The environment mirrors the one ``transformers`` uses
+it runs in :class:`~furnace_trio.text.template_sandbox.BoundedSandbox` (Jinja's immutable
+sandbox), so it cannot reach Python internals (``''.__class__.__mro__``), mutate the
+messages it is given, build huge strings, lists or ranges, or run past a CPU budget. The environment mirrors the one ``transformers`` uses
 (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, ``tojson``, ``raise_exception``,
 ``strftime_now`` and a pass-through ``{% generation %}`` tag), so that a rendering here is
 byte-identical to ``tokenizer.apply_chat_template(..., tokenize=False)``.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import operator
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, NoReturn
@@ -29,13 +28,19 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
-import jinja2.runtime
 import jinja2.sandbox
 
-logger = logging.getLogger(__name__)
+from furnace_trio.text.template_sandbox import (
+    MAX_REPEAT_RESULT,
+    RENDER_CPU_S,
+    BoundedSandbox,
+    TemplateLimitError,
+    bounded_template_ast,
+    check_output,
+    render_budget,
+)
 
-# Upper bound for strings and lists a template builds with ``*`` (``'a' * 10**12``).
-MAX_REPEAT_RESULT = 1 << 20
+logger = logging.getLogger(__name__)
 
 
 class ChatTemplateError(ValueError):
@@ -82,56 +87,14 @@ class _GenerationTagExtension(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
-class _ChatSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    """The immutable sandbox, plus a size limit on ``*`` and ``**``.
-
-    Jinja's sandbox bounds ``range()`` but not ``'x' * n``; a template (or a message
-    smuggled into one) must not be able to allocate gigabytes.
-    """
-
-    intercepted_binops = frozenset({"*", "**"})
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
-        # Jinja returns an Undefined that only raises when used further, so
-        # ``{{ f.__globals__ }}`` would print "" and pass silently: refuse outright.
-        raise jinja2.sandbox.SecurityError(
-            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
-        )
-
-    def call_binop(
-        self, context: jinja2.runtime.Context, operator_: str, left: Any, right: Any
-    ) -> Any:
-        if operator_ == "*":
-            for seq, count in ((left, right), (right, left)):
-                if (
-                    isinstance(seq, str | list | tuple)
-                    and isinstance(count, int)
-                    and len(seq) * count > MAX_REPEAT_RESULT
-                ):
-                    raise jinja2.sandbox.SecurityError(
-                        f"repetition result too large (over {MAX_REPEAT_RESULT} items)"
-                    )
-            return operator.mul(left, right)
-        if operator_ == "**":
-            if (
-                isinstance(right, int)
-                and abs(right) > 64
-                and isinstance(left, int)
-                and abs(left) > 1
-            ):
-                raise jinja2.sandbox.SecurityError("exponent too large")
-            return operator.pow(left, right)
-        return super().call_binop(context, operator_, left, right)
-
-
-def _make_environment() -> jinja2.Environment:
-    env = _ChatSandbox(
+def _make_environment() -> BoundedSandbox:
+    env = BoundedSandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTagExtension, jinja2.ext.loopcontrols],
         undefined=jinja2.Undefined,
     )
-    env.filters["tojson"] = _tojson
+    env.add_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -144,14 +107,16 @@ class ChatTemplate:
     can hold the source string and still never compile the same template twice.
     """
 
-    __slots__ = ("_template", "source")
+    __slots__ = ("_template", "cpu_s", "source")
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, *, cpu_s: float = RENDER_CPU_S) -> None:
         if not isinstance(source, str) or not source:
             raise ChatTemplateError("chat template must be a non-empty string")
         self.source = source
+        self.cpu_s = cpu_s  # the CPU time one rendering may take
         try:
-            self._template = _make_environment().from_string(source)
+            env = _make_environment()
+            self._template = env.from_string(bounded_template_ast(env, source))
         except jinja2.TemplateSyntaxError as exc:
             raise ChatTemplateError(
                 f"chat template does not compile: {exc.message} (line {exc.lineno})"
@@ -186,9 +151,13 @@ class ChatTemplate:
             eos_token=eos_token if eos_token is not None else "",
         )
         try:
-            return self._template.render(**variables)
+            with render_budget(self.cpu_s):
+                return check_output(self._template.generate(**variables))
         except _TemplateRaisedError as exc:
             raise ChatTemplateError(str(exc)) from None
+        except TemplateLimitError as exc:
+            logger.warning("chat template stopped at a limit: %s", exc)
+            raise ChatTemplateError(f"chat template exceeded a limit: {exc}") from None
         except jinja2.sandbox.SecurityError as exc:
             logger.warning("chat template blocked by the sandbox: %s", exc)
             raise ChatTemplateError(f"chat template tried an unsafe operation: {exc}") from None

@@ -3,6 +3,7 @@ loaded through ctypes; a machine without a C compiler gets torch kernels instead
 
 - :mod:`.config`: how the library is built (compiler, flags, cache directory), passed in.
 - :mod:`.library`: compiling, caching and loading the shared library (:func:`load`).
+- :mod:`.cache`: each cached library sealed by its build and checked before loading.
 - :mod:`.kernels`: :class:`Kernels`, the typed ctypes entry points.
 - :mod:`.formats`: the enums and layouts Python and the C code share.
 

@@ -7,6 +7,9 @@ directory of its :class:`~furnace_trio.runtime.native.config.NativeConfig` (defa
 about a second; a machine without a compiler gets :func:`load` returning ``None`` and the
 callers fall back to torch kernels.
 
+Each built file is sealed and checked before it is loaded (:mod:`.cache`): a truncated or
+corrupt one is logged, removed and rebuilt instead of crashing ``dlopen``.
+
 The library is loaded after torch, so ``libgomp.so.1`` resolves to the OpenMP runtime
 torch already loaded.
 """
@@ -25,6 +28,14 @@ import tempfile
 import threading
 from pathlib import Path
 
+from furnace_trio.runtime.native.cache import (
+    BUILD_TIMEOUT_S,
+    MAGIC,
+    TEMPORARY_SUFFIX,
+    cache_problem,
+    remove_stale_temporaries,
+    seal,
+)
 from furnace_trio.runtime.native.config import DEFAULT_NATIVE_CONFIG, NativeConfig
 from furnace_trio.runtime.native.kernels import Kernels
 
@@ -71,7 +82,7 @@ def _compiler_version(compiler: str) -> str:
 
 def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f"{target.name}.", suffix=TEMPORARY_SUFFIX, dir=target.parent)
     os.close(fd)
     try:
         subprocess.run(
@@ -79,8 +90,9 @@ def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
             check=True,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=BUILD_TIMEOUT_S,
         )
+        seal(Path(tmp))
         os.replace(tmp, target)  # atomic: a concurrent builder never sees half a file
     finally:
         if os.path.exists(tmp):
@@ -106,7 +118,7 @@ def load(
     flags = (*FLAGS, *extra_flags)
     parts = [compiler, _compiler_version(compiler), " ".join(flags), _cpu_identity()]
     key = hashlib.blake2b(
-        b"\0".join([source, *(p.encode() for p in parts)]), digest_size=12
+        b"\0".join([source, MAGIC, *(p.encode() for p in parts)]), digest_size=12
     ).hexdigest()
     target = cache_dir(config) / f"cpu_kernels-{key}.so"
     with _lock:
@@ -114,9 +126,18 @@ def load(
             return _loaded[str(target)]
         kernels: Kernels | None = None
         try:
+            if target.parent.is_dir():
+                remove_stale_temporaries(target.parent)
+            problem = cache_problem(target) if target.exists() else None
+            if problem is not None:
+                logger.warning("native kernels: %s is %s; rebuilding it", target, problem)
+                target.unlink(missing_ok=True)
             if not target.exists():
                 logger.info("native kernels: building %s", target)
                 _build(compiler, flags, target)
+            problem = cache_problem(target)
+            if problem is not None:  # changed under us since the build: do not load it
+                raise OSError(f"{target} is {problem}")
             kernels = Kernels(ctypes.CDLL(str(target)), target)
         except subprocess.CalledProcessError as exc:
             logger.warning("native kernels: build failed, using torch kernels:\n%s", exc.stderr)

@@ -77,14 +77,17 @@ def register(app: QuartTrio, state: ServerState) -> None:
 
 
 def _tokenize(backend: Backend, parsed: TokenizeRequest) -> list[int]:
-    """A prompt's token ids, or a conversation's as the chat template renders it."""
-    text = parsed.prompt
+    """A prompt's token ids, or a conversation's as the chat template renders it.
+
+    A raw ``prompt`` parses special-token texts (``<|im_start|>``) into their ids, as
+    completions' ``prompt`` does; in ``messages`` they stay text, as in chat."""
     if parsed.messages is not None:
-        text = render_messages(
+        chat = render_messages(
             backend, parsed.messages, add_generation_prompt=parsed.add_generation_prompt
         )
-    assert text is not None  # the parser gives exactly one of the two
-    return backend.tokenizer.encode(text, add_special_tokens=parsed.add_special_tokens)
+        return backend.tokenizer.encode_chat(chat, add_special_tokens=parsed.add_special_tokens)
+    assert parsed.prompt is not None  # the parser gives exactly one of the two
+    return backend.tokenizer.encode(parsed.prompt, add_special_tokens=parsed.add_special_tokens)
 
 
 def _detokenize(backend: Backend, ids: tuple[int, ...]) -> str:
