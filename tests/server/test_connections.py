@@ -69,15 +69,17 @@ async def test_http_1_0_gets_eof_streaming_and_not() -> None:
 
 
 async def test_idle_kept_alive_connection_closes_after_keep_alive_timeout() -> None:
-    async with serve_scripted(keep_alive_timeout=0.5) as served:
-        async with await trio.open_tcp_stream("127.0.0.1", _port(served.url)) as stream:
-            for _ in range(2):  # the timer restarts after each response on the connection
-                await stream.send_all(post(CHAT))
-                with trio.fail_after(EOF_WITHIN_S):
-                    response = b""
-                    while ANSWERS[0].encode() not in response:
-                        response += await stream.receive_some(65536)
-            assert await read_to_eof(stream) == b""
+    async with (
+        serve_scripted(keep_alive_timeout=0.5) as served,
+        await trio.open_tcp_stream("127.0.0.1", _port(served.url)) as stream,
+    ):
+        for _ in range(2):  # the timer restarts after each response on the connection
+            await stream.send_all(post(CHAT))
+            with trio.fail_after(EOF_WITHIN_S):
+                response = b""
+                while ANSWERS[0].encode() not in response:
+                    response += await stream.receive_some(65536)
+        assert await read_to_eof(stream) == b""
 
 
 async def test_content_length_with_transfer_encoding_closes_after_the_response() -> None:
