@@ -31,7 +31,7 @@ from quart import request
 from furnace_trio.server.state import ServerState
 
 if TYPE_CHECKING:
-    from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
+    from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope, Scope
 
 SCOPE_KEY = "furnace_trio.request_ids"
 
@@ -40,9 +40,9 @@ SCOPE_KEY = "furnace_trio.request_ids"
 BODY_WAIT_S = 2.0
 
 
-def _ambiguous_framing(scope: Scope) -> bool:
+def _ambiguous_framing(scope: HTTPScope) -> bool:
     """Both ``Content-Length`` and ``Transfer-Encoding``: close after the response."""
-    names = {name.lower() for name, _ in scope.get("headers", ())}
+    names = {name.lower() for name, _ in scope["headers"]}
     return b"content-length" in names and b"transfer-encoding" in names
 
 
