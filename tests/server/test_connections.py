@@ -97,3 +97,11 @@ async def test_content_length_with_transfer_encoding_closes_after_the_response()
     assert reply.startswith(b"HTTP/1.1 200") and b"connection: close" in head
     assert reply.count(b"HTTP/1.1") == 1
     assert ANSWERS[0].encode() in after
+
+
+async def test_connection_close_stream_ends_with_done_then_eof() -> None:
+    async with serve_scripted() as served:
+        streamed = await exchange(served.url, post(STREAM, headers="Connection: close\r\n"))
+    assert streamed.startswith(b"HTTP/1.1 200")
+    # the last chunk, then the chunked body's end
+    assert streamed.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), streamed[-100:]

@@ -191,7 +191,7 @@ async def test_sigterm_to_the_master_drains_streams_and_bounds_a_stalled_reader(
         for events in streams:
             nursery.start_soon(read_stream, server.url, events, 6)
         await wait_until(
-            lambda: all(content_chunks(e) for e in streams), "first tokens", timeout_s=120
+            lambda: all(content_chunks(e) for e in streams), "first tokens", timeout_s=300
         )
         server.process.send_signal(signal.SIGTERM)  # the master only
         refused = await refused_during_drain(server.url)
@@ -217,7 +217,7 @@ async def test_signal_to_the_process_group_ends_streams_with_an_error_event(
         for events in streams:
             nursery.start_soon(read_stream, server.url, events, 2000)
         await wait_until(
-            lambda: all(content_chunks(e) for e in streams), "first tokens", timeout_s=120
+            lambda: all(content_chunks(e) for e in streams), "first tokens", timeout_s=300
         )
         os.killpg(server.process.pid, signum)  # systemd's SIGTERM, a terminal's Ctrl+C
         refused = await refused_during_drain(server.url)
