@@ -28,9 +28,9 @@ from furnace_trio.engine.engine import EngineConfig
 
 from . import scripted
 from .http_server import Served, serve_scripted
+from .server.test_connections import EOF_WITHIN_S, read_to_eof
 
 KEEP_ALIVE_S = 0.5
-EOF_WITHIN_S = 20.0
 LIMIT = 10 * (TOKEN_BYTES + 20 * TOP_LOGPROB_BYTES)
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -60,14 +60,6 @@ async def _connect(port: int, receive_buffer: int | None = None) -> trio.SocketS
     return trio.SocketStream(sock)
 
 
-async def _until_eof(stream: trio.SocketStream) -> bytes:
-    data = bytearray()
-    with trio.fail_after(EOF_WITHIN_S):
-        while chunk := await stream.receive_some(65536):
-            data += chunk
-    return bytes(data)
-
-
 async def _ordinary_stream(http: httpx.AsyncClient, report: Report) -> None:
     body = {"messages": MESSAGES, "stream": True, "max_tokens": 24}
     last = ""
@@ -90,7 +82,7 @@ async def _closing(port: int, kind: str, report: Report) -> None:
         request = _request(port, body, "1.1", "Connection: close\r\n")
     async with await _connect(port) as stream:
         await stream.send_all(request)
-        reply = await _until_eof(stream)
+        reply = await read_to_eof(stream)
     assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
     if stream_it:  # HTTP/1.1 frames it in chunks; HTTP/1.0 ends it with the connection
         end = b"data: [DONE]\n\n" if kind.startswith("http/1.0") else b"\r\n0\r\n\r\n"
@@ -102,7 +94,7 @@ async def _idle(port: int, report: Report) -> None:
     """One request on a kept-alive connection, then silence: closed after the timeout."""
     async with await _connect(port) as stream:
         await stream.send_all(_request(port, {"messages": MESSAGES, "max_tokens": 4}, "1.1"))
-        reply = await _until_eof(stream)
+        reply = await read_to_eof(stream)
     assert reply.startswith(b"HTTP/1.1 200") and reply.count(b"HTTP/1.1") == 1
     report.count("idle keep-alive")
 
