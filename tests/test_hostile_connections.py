@@ -29,6 +29,7 @@ from furnace_trio.engine.engine import EngineConfig
 from . import scripted
 from .http_server import Served, serve_scripted
 from .server.test_connections import EOF_WITHIN_S, read_to_eof
+from .server.waiting import engine_reaches
 
 KEEP_ALIVE_S = 0.5
 LIMIT = 10 * (TOKEN_BYTES + 20 * TOP_LOGPROB_BYTES)
@@ -99,12 +100,6 @@ async def _idle(port: int, report: Report) -> None:
     report.count("idle keep-alive")
 
 
-async def _wait_paused(served: Served, count: int) -> None:
-    with trio.fail_after(EOF_WITHIN_S):
-        while served.engine.statistics().requests_paused < count:  # noqa: ASYNC110
-            await trio.sleep(0.01)
-
-
 async def hostile_round(served: Served, *, clients: int, stalled: int) -> Report:
     """``clients`` ordinary streams and as many of each hostile kind, with ``stalled``
     readers held open throughout; returns what completed."""
@@ -121,7 +116,9 @@ async def hostile_round(served: Served, *, clients: int, stalled: int) -> Report
     try:
         for reader in readers:
             await reader.send_all(_request(port, body, "1.1"))
-        await _wait_paused(served, stalled)
+        await engine_reaches(
+            served.engine, lambda s: s.requests_paused == stalled, "the pauses", timeout_s=20
+        )
         tokens = served.engine.statistics().generation_tokens_total
         async with (
             httpx.AsyncClient(base_url=served.url, timeout=60) as http,
@@ -139,10 +136,9 @@ async def hostile_round(served: Served, *, clients: int, stalled: int) -> Report
     finally:
         for reader in readers:
             await reader.aclose()
-    with trio.fail_after(EOF_WITHIN_S):
-        while not served.engine.statistics().idle:  # noqa: ASYNC110
-            await trio.sleep(0.01)
-    stats = served.engine.statistics()
+    stats = await engine_reaches(
+        served.engine, lambda s: s.idle, "the engine idle", timeout_s=EOF_WITHIN_S
+    )
     assert not stats.leaks(), stats.leaks()
     assert stats.requests_paused == 0
     return report

@@ -9,7 +9,7 @@ from furnace_trio.engine.backlog import TOKEN_BYTES, TOP_LOGPROB_BYTES, Backlog
 from furnace_trio.engine.engine import EngineConfig
 
 from ..scripted import EOS, ScriptedRunner, encode
-from ..server.waiting import wait_until
+from ..server.waiting import engine_reaches
 from .harness import collect, request, serving
 
 
@@ -31,7 +31,7 @@ async def test_unread_stream_pauses_its_request_while_others_run() -> None:
     runner = ScriptedRunner({encode("short"): [*encode("ok"), EOS]})
     async with serving(runner, EngineConfig(max_response_bytes=limit)) as engine:
         unread = engine.submit(request("long", max_tokens=400, logprobs=20))
-        await wait_until(lambda: engine.statistics().requests_paused == 1, "a pause")
+        await engine_reaches(engine, lambda s: s.requests_paused == 1, "a pause")
         paused = engine.statistics()
         # the Admitted message counts too; one step may overshoot by one token
         assert paused.generation_tokens_total <= 10

@@ -20,7 +20,7 @@ from furnace_trio.server import hypercorn_patch
 
 from .. import scripted
 from ..http_server import serve_scripted
-from .waiting import wait_until
+from .waiting import engine_reaches
 
 
 def test_another_hypercorn_version_is_left_alone(
@@ -75,7 +75,7 @@ async def test_a_reader_that_never_reads_does_not_hold_the_stop_open() -> None:
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
                 + body
             )
-            await wait_until(lambda: served.engine.statistics().requests_paused == 1, "a pause")
+            await engine_reaches(served.engine, lambda s: s.requests_paused == 1, "a pause")
 
             async def watchdog() -> None:
                 nonlocal rescued

@@ -22,7 +22,7 @@ from furnace_trio.server.config import DEFAULT_MAX_RESPONSE_BYTES, ConfigError, 
 
 from .. import scripted
 from ..http_server import serve_scripted
-from .waiting import engine_idle, wait_until
+from .waiting import engine_idle, engine_reaches
 
 #: ~20 tokens with 20 alternatives each.
 LIMIT = 20 * (TOKEN_BYTES + 20 * TOP_LOGPROB_BYTES)
@@ -75,8 +75,8 @@ async def test_reader_that_stops_reading_pauses_its_request() -> None:
         port = int(served.url.rsplit(":", 1)[1])
         async with await open_non_reader(port) as stalled:
             await stalled.send_all(stream_request(port))
-            await wait_until(
-                lambda: served.engine.statistics().requests_paused == 1, "a pause", timeout_s=20
+            await engine_reaches(
+                served.engine, lambda s: s.requests_paused == 1, "a pause", timeout_s=20
             )
             assert metric(await _metrics(http), "furnace_requests_paused") == 1
             tokens = served.engine.statistics().generation_tokens_total
@@ -92,7 +92,7 @@ async def test_reader_that_stops_reading_pauses_its_request() -> None:
             text = await _metrics(http)
             assert metric(text, "furnace_requests_paused") == 1
             assert metric(text, "furnace_generation_tokens_total") == tokens + 5
-        await wait_until(lambda: engine_idle(served.engine), "the engine idle")
+        await engine_reaches(served.engine, engine_idle, "the engine idle")
     assert served.engine.statistics().requests["aborted"] == 1
 
 
