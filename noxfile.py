@@ -132,7 +132,11 @@ def soak(session: nox.Session) -> None:
 def fuzz(session: nox.Session) -> None:
     """Schemathesis against /openapi.json on 127.0.0.1 (scripted engine, real tokenizer):
     no 5xx, responses match the document, the server healthy afterwards. Bounded in
-    examples and time; pass e.g. ``-- --max-examples 500 --max-time 600`` for more."""
+    examples and time; pass e.g. ``-- --max-examples 500 --max-time 600`` for more. Then
+    hostile connections under load (tests/test_hostile_connections.py)."""
     _install(session, "test")
     args = session.posargs or ["--max-examples", "200", "--max-time", "240"]
     session.run("python", "-m", "tests.test_fuzz", *args)
+    # hostile connections under load: Connection: close, HTTP/1.0, idle keep-alive, stalled
+    # readers (docs/reliability.md)
+    session.run("python", "-m", "tests.test_hostile_connections", "--rounds", "10")

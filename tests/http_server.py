@@ -19,7 +19,11 @@ from hypercorn.config import Config
 
 @asynccontextmanager
 async def serve_app(
-    app: Any, *, graceful_timeout: float = 1.0, send_buffer: int | None = None
+    app: Any,
+    *,
+    graceful_timeout: float = 1.0,
+    send_buffer: int | None = None,
+    keep_alive_timeout: float | None = None,
 ) -> AsyncIterator[str]:
     """Serve ``app`` on ``127.0.0.1`` at a free port; yield the base URL (no trailing slash).
 
@@ -27,9 +31,12 @@ async def serve_app(
     is told to shut down and, should a stuck connection hold it open, cancelled.
     ``send_buffer`` sets ``SO_SNDBUF`` on the listening socket, which its connections
     inherit (so a reader that does not read fills it after a few kilobytes).
+    ``keep_alive_timeout`` replaces hypercorn's (5 s) for idle kept-alive connections.
     """
     config = Config()
     config.bind = ["127.0.0.1:0"]
+    if keep_alive_timeout is not None:
+        config.keep_alive_timeout = keep_alive_timeout
     if send_buffer is not None:
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
@@ -149,6 +156,7 @@ async def serve_scripted(
     engine_config: EngineConfig | None = None,
     response_timeout: float | None = None,
     send_buffer: int | None = None,
+    keep_alive_timeout: float | None = None,
     **config: Any,
 ) -> AsyncIterator[Served]:
     """Serve the app over a scripted engine; ``config`` are :class:`ServerConfig` fields."""
@@ -156,5 +164,7 @@ async def serve_scripted(
     app, engines = scripted_app(runner, engine_config=engine_config, config=ServerConfig(**config))
     if response_timeout is not None:
         app.config["RESPONSE_TIMEOUT"] = response_timeout
-    async with serve_app(app, send_buffer=send_buffer) as url:
+    async with serve_app(
+        app, send_buffer=send_buffer, keep_alive_timeout=keep_alive_timeout
+    ) as url:
         yield Served(url, app, runner, engines[0], api_key=config.get("api_key") or "unused")

@@ -28,6 +28,9 @@ class EngineConfig:
     # end): fewer, larger deltas, less work per token above the model (vLLM's
     # --stream-interval). 1 streams every token.
     stream_interval: int = 1
+    # A request whose stream holds more than this unsent (estimated response bytes) pauses
+    # until its client reads; see furnace_trio.engine.backlog.
+    max_response_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:
@@ -48,3 +51,5 @@ class EngineConfig:
             raise ValueError("max_context must be at least 2")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be at least 1")
+        if self.max_response_bytes < 1:
+            raise ValueError("max_response_bytes must be at least 1")

@@ -4,7 +4,9 @@
 messages of :mod:`~furnace_trio.engine.messages` with ``send_nowait`` (never waiting on a
 slow consumer), groups tokens by ``stream_interval``, and records the latency metrics. It
 touches neither the scheduler nor the sessions: the engine hands it the callbacks for a
-request whose stream closed (abort it) and for one that finished (its session turn).
+request whose stream closed (abort it), for one whose stream holds more than its
+:class:`~furnace_trio.engine.backlog.Backlog` allows (pause it), and for one that finished
+(its session turn).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 import trio
 
 from furnace_trio.core.plan import SampledToken
+from furnace_trio.engine.backlog import Backlog, message_bytes
 from furnace_trio.engine.events import Admitted, Failed, FailureCause
 from furnace_trio.engine.messages import Finish, Message, PromptScores, Tokens
 from furnace_trio.engine.scheduler import FinishReason, SampleOutput, ScheduledStep
@@ -36,6 +39,7 @@ class _Request:
     done: list[bool]
     live: int
     last_token_at: list[float | None]
+    backlog: Backlog
     first_token_at: float | None = None
     any_length: bool = False
     # per sample index, tokens held back for the next group (stream_interval > 1)
@@ -46,8 +50,9 @@ class Outbox:
     """Every request the engine accepted and has not yet finished, failed or aborted.
 
     ``on_closed(request_id)`` runs when a send finds the stream closed (the client left);
-    the engine aborts the request there, which calls :meth:`close`. ``on_finished`` runs
-    when a request's last sample ended. Neither awaits.
+    the engine aborts the request there, which calls :meth:`close`. ``on_backlogged`` runs
+    when a send takes a request's backlog past its limit (the engine pauses it).
+    ``on_finished`` runs when a request's last sample ended. None of them awaits.
     """
 
     def __init__(
@@ -57,11 +62,13 @@ class Outbox:
         *,
         on_closed: Callable[[str], None],
         on_finished: Callable[[str], None],
+        on_backlogged: Callable[[str], None],
     ) -> None:
         self._metrics = metrics
         self._stream_interval = stream_interval
         self._on_closed = on_closed
         self._on_finished = on_finished
+        self._on_backlogged = on_backlogged
         self._requests: dict[str, _Request] = {}
 
     def __len__(self) -> int:
@@ -74,12 +81,13 @@ class Outbox:
         return iter(list(self._requests))
 
     def open(
-        self, request_id: str, num_prompt_tokens: int, n: int
+        self, request_id: str, num_prompt_tokens: int, n: int, backlog: Backlog
     ) -> trio.MemoryReceiveChannel[Message]:
-        """Accept a request of ``n`` samples; its stream reads the returned channel.
+        """Accept a request of ``n`` samples; its stream reads the returned channel and
+        takes what it reads off ``backlog``.
 
-        The channel is unbounded (bounded in practice by ``max_tokens``), so the engine
-        never waits on a slow client."""
+        The channel is unbounded, so the engine never waits on a slow client; what it
+        holds is bounded by the backlog's limit (past it, ``on_backlogged``)."""
         send, receive = trio.open_memory_channel[Message](math.inf)
         self._requests[request_id] = _Request(
             request_id=request_id,
@@ -89,6 +97,7 @@ class Outbox:
             done=[False] * n,
             live=n,
             last_token_at=[None] * n,
+            backlog=backlog,
         )
         return receive
 
@@ -173,12 +182,15 @@ class Outbox:
         self._requests.clear()
 
     def _send(self, request: _Request, message: Message) -> bool:
-        """Whether the message went out; a closed stream aborts the request."""
+        """Whether the message went out; a closed stream aborts the request, and one that
+        holds too much unsent pauses it."""
         try:
             request.send.send_nowait(message)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self._on_closed(request.request_id)
             return False
+        if request.backlog.add(message_bytes(message)):
+            self._on_backlogged(request.request_id)
         return True
 
     def _finish(self, request: _Request, index: int, reason: FinishReason) -> None:

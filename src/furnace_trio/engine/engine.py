@@ -10,9 +10,11 @@ and :meth:`Engine.abort`, which run on the same Trio thread, so there are no loc
 - Aborts take effect at once (blocks freed synchronously); a request submitted while a
   step runs joins the next step (continuous batching).
 - Tokens go out through the :class:`~furnace_trio.engine.delivery.Outbox`, with
-  ``send_nowait`` on each request's unbounded channel (bounded in practice by
-  ``max_tokens``), so the engine never waits on a slow client; a closed
-  channel means the client left, and the request is aborted. With ``stream_interval``
+  ``send_nowait`` on each request's unbounded channel, so the engine never waits on a
+  slow client; a closed channel means the client left, and the request is aborted. What
+  a stream has not taken yet is its backlog: past ``max_response_bytes`` the request
+  pauses (keeps its KV, takes no steps) until its client reads again
+  (:mod:`~furnace_trio.engine.backlog`). With ``stream_interval``
   N > 1, a sample's first token goes out at once and the rest in groups of N (and at its
   end), each group one message and one :class:`~furnace_trio.engine.events.Delta`: the consumer's task wakes, and the
   HTTP layer writes a chunk, once per group instead of once per token.
@@ -49,6 +51,7 @@ from typing import Any
 import trio
 
 from furnace_trio.core.plan import SampledToken, StepRunner
+from furnace_trio.engine.backlog import Backlog
 from furnace_trio.engine.block_pool import BlockPool
 from furnace_trio.engine.config import EngineConfig
 from furnace_trio.engine.delivery import Outbox
@@ -130,6 +133,7 @@ class Engine:
             config.stream_interval,
             on_closed=self.abort,
             on_finished=self._turns.finished,
+            on_backlogged=self._pause,
         )
 
     # -- public surface -------------------------------------------------------------------
@@ -184,6 +188,14 @@ class Engine:
             self._metrics.count("aborted")
         self._turns.end_for(request_id)
         self._changed.unpark_all()
+
+    def resume(self, request_id: str) -> None:
+        """Let a request that its backlog paused take steps again (its stream caught up).
+        Never awaits."""
+        if request_id in self._outbox:
+            self._scheduler.resume(request_id)
+            self._wake.set()
+            self._changed.unpark_all()
 
     def stop_sample(self, request_id: str, index: int) -> None:
         """End one sample as 'stop' (a stop string matched in its stream). Never awaits."""
@@ -296,6 +308,7 @@ class Engine:
             kv_block_refs=pool.num_references,
             requests_in_flight=len(self._outbox),
             turns_open=len(self._turns),
+            requests_paused=self._scheduler.num_paused,
         )
 
     # -- submission -----------------------------------------------------------------------
@@ -320,10 +333,13 @@ class Engine:
             seed = self._turns.start(turn, request.request_id, params.seed)
             params = dataclasses.replace(params, seed=seed)
         self._scheduler.add(request.request_id, prompt, params, keep_kv=turn is not None)
-        receive = self._outbox.open(request.request_id, len(prompt), params.n)
+        backlog = Backlog(self.config.max_response_bytes)
+        receive = self._outbox.open(request.request_id, len(prompt), params.n, backlog)
         self._wake.set()
         self._changed.unpark_all()
-        return RequestStream(self, self._text, request.request_id, receive, params, turn)
+        return RequestStream(
+            self, self._text, request.request_id, receive, params, turn, backlog=backlog
+        )
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -383,6 +399,13 @@ class Engine:
         with trio.CancelScope(deadline=deadline, shield=True):
             return await self._model_thread.run(self._runner.step, step.plan)
         raise _WatchdogFired(f"a model step ran past the watchdog of {timeout} s")
+
+    def _pause(self, request_id: str) -> None:
+        """Its stream holds more than ``max_response_bytes`` unsent: no steps until
+        :meth:`resume`."""
+        if self._scheduler.pause(request_id):
+            self._metrics.pauses_total += 1
+            self._changed.unpark_all()
 
     def _fail_step(self, step: ScheduledStep, message: str) -> None:
         for request_id in self._scheduler.fail(step):

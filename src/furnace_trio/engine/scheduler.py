@@ -37,6 +37,10 @@ blocks of everything it computed (:class:`KeptKV`, taken with :meth:`Scheduler.p
 an aborted or failed request keeps nothing. When the queue head does not fit, the
 ``reclaim`` hook (the engine's session store) may drop pins and admission tries again.
 
+Pauses (:meth:`Scheduler.pause`): a paused request keeps its KV blocks and its running slot
+but gets no chunk until :meth:`Scheduler.resume` (its client stopped reading; see
+:mod:`~furnace_trio.engine.backlog`).
+
 Aborts (:meth:`Scheduler.abort`) are synchronous and free blocks at once. That is safe
 while a step is in flight: blocks are only handed out again by the next ``schedule()``,
 which runs after that step has returned; :meth:`Scheduler.update` ignores tokens of
@@ -152,6 +156,11 @@ class Scheduler:
         return self._num_slots
 
     @property
+    def num_paused(self) -> int:
+        """Running requests that take no steps until resumed."""
+        return sum(group.paused for group in self.running.values())
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -241,6 +250,20 @@ class Scheduler:
         self._finish_seq(seq)
         return True
 
+    def pause(self, request_id: str) -> bool:
+        """Give a running request no more chunks (its KV stays); whether it runs."""
+        group = self.running.get(request_id)
+        if group is None:
+            return False
+        group.paused = True
+        return True
+
+    def resume(self, request_id: str) -> None:
+        """Let a paused request take steps again; nothing if it is gone."""
+        group = self.running.get(request_id)
+        if group is not None:
+            group.paused = False
+
     def pop_kept(self, request_id: str) -> KeptKV | None:
         """The pins a finished ``keep_kv`` request left; the caller owns (and frees) them."""
         return self._kept.pop(request_id, None)
@@ -255,6 +278,8 @@ class Scheduler:
         num_decode = 0
         # 1. one token for every decoding sequence
         for group in self.running.values():
+            if group.paused:
+                continue
             if group.prefill is not None and group.prefill.num_computed_tokens < len(group.prompt):
                 continue
             request_ids.append(group.request_id)
@@ -268,7 +293,7 @@ class Scheduler:
             if budget <= 0:
                 break
             prefill = group.prefill
-            if prefill is None or prefill.num_computed_tokens >= len(group.prompt):
+            if group.paused or prefill is None or prefill.num_computed_tokens >= len(group.prompt):
                 continue
             take = min(len(group.prompt) - prefill.num_computed_tokens, budget)
             chunks.append(self._chunk(prefill, take))

@@ -66,3 +66,4 @@ class Group:
     prompt_keys: tuple[BlockKey, ...] = ()  # chain keys of the prompt's full blocks
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache at admission
     keep_kv: bool = False
+    paused: bool = False  # running, but takes no steps (its client stopped reading)

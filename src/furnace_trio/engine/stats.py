@@ -105,6 +105,8 @@ class EngineStatistics:
     kv_block_refs: int = 0  # references held on blocks (a shared block counts per owner)
     requests_in_flight: int = 0  # accepted, not yet finished, failed or aborted
     turns_open: int = 0  # session turns whose request has not ended
+    requests_paused: int = 0  # running requests waiting for their client to read
+    pauses_total: int = 0  # times a request paused so (see engine/backlog.py)
 
     @property
     def idle(self) -> bool:
@@ -140,6 +142,7 @@ class EngineMetrics:
     queue_time: Histogram = field(default_factory=Histogram)
     prefill_step_time: Histogram = field(default_factory=Histogram)
     decode_step_time: Histogram = field(default_factory=Histogram)
+    pauses_total: int = 0
 
     def count(self, outcome: str) -> None:
         if outcome not in self.outcomes:
@@ -163,6 +166,7 @@ class EngineMetrics:
         kv_block_refs: int = 0,
         requests_in_flight: int = 0,
         turns_open: int = 0,
+        requests_paused: int = 0,
     ) -> EngineStatistics:
         return EngineStatistics(
             running=running,
@@ -188,4 +192,6 @@ class EngineMetrics:
             kv_block_refs=kv_block_refs,
             requests_in_flight=requests_in_flight,
             turns_open=turns_open,
+            requests_paused=requests_paused,
+            pauses_total=self.pauses_total,
         )

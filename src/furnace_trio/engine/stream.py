@@ -6,9 +6,10 @@ incremental detokenization, stop strings, logprob entries. So a slow client or a
 expensive decode costs the engine loop nothing, and a stop-string match ends its sample
 through the same synchronous path as a disconnect.
 
-A stream reaches its engine only through :class:`StreamOwner`, four synchronous calls
-(abort, stop a sample, commit or end a session turn), and reads token text through the
-engine's shared :class:`TokenText`.
+A stream reaches its engine only through :class:`StreamOwner`, five synchronous calls
+(abort, stop a sample, resume a request its backlog paused, commit or end a session turn),
+and reads token text through the engine's shared :class:`TokenText`. Taking a message
+takes its size off the request's :class:`~furnace_trio.engine.backlog.Backlog`.
 
 A session turn is committed by the stream's consumer (:meth:`RequestStream.commit_turn`)
 once sample 0 has finished: only the consumer knows the reply as the client received it
@@ -29,6 +30,7 @@ import trio
 
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import SampledToken
+from furnace_trio.engine.backlog import Backlog, message_bytes
 from furnace_trio.engine.events import Delta, Event, Failed, Finished, LogprobEntry, TopLogprob
 from furnace_trio.engine.messages import Finish, Message, PromptScores, Tokens
 from furnace_trio.engine.sessions import SessionReply, Turn
@@ -44,6 +46,8 @@ class StreamOwner(Protocol):
     def abort(self, request_id: str) -> None: ...
 
     def stop_sample(self, request_id: str, index: int) -> None: ...
+
+    def resume(self, request_id: str) -> None: ...
 
     def commit_turn(self, turn: Turn, reply: SessionReply) -> bool: ...
 
@@ -97,8 +101,11 @@ class RequestStream:
         receive: trio.MemoryReceiveChannel[Message],
         params: SamplingParams,
         turn: Turn | None = None,
+        *,
+        backlog: Backlog | None = None,
     ) -> None:
         self.request_id = request_id
+        self._backlog = backlog
         self.turn = turn
         self._reply: list[str] = []  # sample 0's text, for the session's history
         self._owner = owner
@@ -133,6 +140,9 @@ class RequestStream:
                 break
             except trio.ClosedResourceError:
                 raise StopAsyncIteration from None
+            backlog = self._backlog
+            if backlog is not None and backlog.take(message_bytes(message)):
+                self._owner.resume(self.request_id)
             self._handle(message)
         return self._ready.popleft()
 

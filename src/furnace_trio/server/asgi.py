@@ -5,8 +5,19 @@ handler's ``finally`` aborts it (sync, idempotent); the wrapper aborts every reg
 again on the way out, which covers a client that leaves after the handler returned a
 streaming response but before its body generator started (its ``finally`` then never
 runs). The wrapper also counts responses by status for ``/metrics``, counts the HTTP
-requests in flight for the drain, and holds back a response that would start before its
-request's body has arrived (:func:`_after_the_body`).
+requests in flight for the drain, holds back a response that would start before its
+request's body has arrived (:func:`_after_the_body`), and makes sure connections that must
+close do close:
+
+- The last message of a response is sent shielded from cancellation. Hypercorn 0.18's
+  Trio worker runs the end of a response (closing a ``Connection: close`` or HTTP/1.0
+  connection, or starting the keep-alive idle timer) inside that send, in the request's
+  task; quart-trio cancels that task as soon as hypercorn reports the response done, so
+  without the shield the close and the idle timer never happen and the connection stays
+  open for good.
+- A request with both ``Content-Length`` and ``Transfer-Encoding`` (h11 frames it by
+  ``Transfer-Encoding``) is answered with ``connection: close``: RFC 9112 section 6.3
+  says to close after responding, since the two framings hint at request smuggling.
 """
 
 from __future__ import annotations
@@ -20,13 +31,24 @@ from quart import request
 from furnace_trio.server.state import ServerState
 
 if TYPE_CHECKING:
-    from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
+    from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope, Scope
 
 SCOPE_KEY = "furnace_trio.request_ids"
 
 #: How long a response that starts before its request's body waits for it (see
 #: :func:`_after_the_body`); :attr:`AbortOnExit.body_wait_s` holds the app's own.
 BODY_WAIT_S = 2.0
+
+
+def _ambiguous_framing(scope: HTTPScope) -> bool:
+    """Both ``Content-Length`` and ``Transfer-Encoding``: close after the response."""
+    names = {name.lower() for name, _ in scope["headers"]}
+    return b"content-length" in names and b"transfer-encoding" in names
+
+
+def _with_close(message: Any) -> Any:
+    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+    return {**message, "headers": [*headers, (b"connection", b"close")]}
 
 
 async def _after_the_body(
@@ -44,13 +66,13 @@ async def _after_the_body(
             await body_received.wait()
     if body_received.is_set():
         return message
-    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
-    return {**message, "headers": [*headers, (b"connection", b"close")]}
+    return _with_close(message)
 
 
 class AbortOnExit:
     """ASGI wrapper: count responses by status, start none before the request's body has
-    arrived (:func:`_after_the_body`), and abort a request's sequences when it ends.
+    arrived (:func:`_after_the_body`), let connections close (see the module docstring),
+    and abort a request's sequences when it ends.
 
     Aborting is idempotent and synchronous, so doing it for every registered id after the
     inner app returns (normally, by cancellation or by an exception) is always safe.
@@ -73,6 +95,7 @@ class AbortOnExit:
         request_ids: list[str] = []
         scope[SCOPE_KEY] = request_ids  # type: ignore[literal-required]
         body_received = trio.Event()
+        must_close = _ambiguous_framing(scope)
 
         async def watching_receive() -> Any:
             message = await receive()
@@ -84,10 +107,16 @@ class AbortOnExit:
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 self.state.http_responses[status] += 1
+                if must_close:
+                    message = _with_close(message)
                 if not body_received.is_set():
                     message = await _after_the_body(
                         message, status, body_received, self.body_wait_s
                     )
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                with trio.CancelScope(shield=True):  # see the module docstring
+                    await send(message)
+                return
             await send(message)
 
         state = self.state

@@ -84,6 +84,7 @@ def engine_config(config: ServerConfig, device_type: str) -> EngineConfig:
         prefix_cache=config.prefix_cache,
         step_timeout_s=config.step_timeout_s,
         stream_interval=config.stream_interval,
+        max_response_bytes=config.max_response_bytes,
     )
 
 

@@ -28,6 +28,8 @@ LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 TOOL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3", "mistral")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+#: What a request may hold unsent before it pauses (``FURNACE_MAX_RESPONSE_BYTES``).
+DEFAULT_MAX_RESPONSE_BYTES = 1024 * 1024
 
 
 class ConfigError(ValueError):
@@ -56,6 +58,7 @@ class ServerConfig:
     kv_cache_dtype: str = "auto"
     max_context: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
     log_level: str = "INFO"
     tool_parser: str = "auto"
     quantization: str = "auto"
@@ -98,7 +101,7 @@ class ServerConfig:
             raise ConfigError(
                 f"log level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
             )
-        for name in ("max_waiting", "max_body_bytes", "stream_interval"):
+        for name in ("max_waiting", "max_body_bytes", "max_response_bytes", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
         if self.session_ttl_s <= 0:
@@ -154,6 +157,7 @@ class ServerConfig:
         max_waiting = integer("FURNACE_MAX_WAITING")
         max_step_tokens = integer("FURNACE_MAX_STEP_TOKENS")
         max_body_bytes = integer("FURNACE_MAX_BODY_BYTES")
+        max_response_bytes = integer("FURNACE_MAX_RESPONSE_BYTES")
         stream_interval = integer("FURNACE_STREAM_INTERVAL")
         return cls(
             model=text("FURNACE_MODEL"),
@@ -171,6 +175,7 @@ class ServerConfig:
             max_body_bytes=max_body_bytes
             if max_body_bytes is not None
             else defaults.max_body_bytes,
+            max_response_bytes=max_response_bytes or defaults.max_response_bytes,
             log_level=choice("FURNACE_LOG_LEVEL", LOG_LEVELS, upper=True) or defaults.log_level,
             tool_parser=choice("FURNACE_TOOL_PARSER", TOOL_PARSERS) or defaults.tool_parser,
             quantization=choice("FURNACE_QUANT", QUANTIZATIONS) or defaults.quantization,

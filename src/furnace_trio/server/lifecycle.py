@@ -19,13 +19,15 @@
   event or a 503 error object, never a silent cut). Hypercorn calls ``after_serving`` only
   once its connections are closed, so a server that wants the drain to cover requests in
   flight runs it *before* telling hypercorn to stop: :func:`drain_then` wraps a
-  ``shutdown_trigger`` (``python -m furnace_trio.server.serve`` does this on SIGTERM/SIGINT).
+  ``shutdown_trigger`` (``python -m furnace_trio.server.serve`` does this on SIGTERM/SIGINT,
+  and so does a hypercorn worker patched by :mod:`~furnace_trio.server.hypercorn_patch`).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import signal
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -159,6 +161,21 @@ async def drain(state: ServerState, drain_timeout_s: float | None = None) -> Non
         with trio.move_on_after(CANCEL_GRACE_S):
             if state.in_flight:
                 await state.no_requests.wait()
+
+
+async def signalled() -> None:
+    """Return at the first SIGTERM or SIGINT to this process (a shutdown trigger).
+
+    Afterwards SIGTERM is ignored, so that the drain runs to its own deadline: the same
+    SIGTERM often arrives twice (``timeout(1)`` and some supervisors signal the process,
+    then its group), and a supervisor that gives up sends SIGKILL. SIGINT gets its previous
+    handling again, so a second Ctrl+C in a terminal still interrupts.
+    """
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            logger.warning("received %s: draining", signal.Signals(signum).name)
+            break
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def drain_then(

@@ -59,6 +59,20 @@ def render_metrics(
     if stats is not None:
         _metric(lines, "furnace_requests_running", "gauge", "Running sequences.", stats.running)
         _metric(lines, "furnace_requests_waiting", "gauge", "Queued requests.", stats.waiting)
+        _metric(
+            lines,
+            "furnace_requests_paused",
+            "gauge",
+            "Running requests paused until their client reads (FURNACE_MAX_RESPONSE_BYTES).",
+            stats.requests_paused,
+        )
+        _metric(
+            lines,
+            "furnace_request_pauses_total",
+            "counter",
+            "Times a request paused because its client did not read.",
+            stats.pauses_total,
+        )
         _metric(lines, "furnace_kv_blocks_used", "gauge", "KV blocks in use.", stats.kv_blocks_used)
         _metric(
             lines,

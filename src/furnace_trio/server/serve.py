@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import logging
-import signal
 from collections.abc import Sequence
 
 import trio
@@ -24,15 +22,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from furnace_trio.server.app import app, drain_then
-
-logger = logging.getLogger(__name__)
-
-
-async def _signalled() -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            logger.warning("received %s: draining", signal.Signals(signum).name)
-            return
+from furnace_trio.server.lifecycle import signalled
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -45,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = Config.from_toml(args.config) if args.config else Config()
     if args.bind:
         config.bind = args.bind
-    trigger = drain_then(app, _signalled)
+    trigger = drain_then(app, signalled)
     trio.run(functools.partial(serve, app, config, shutdown_trigger=trigger))  # type: ignore[arg-type]
     return 0
 

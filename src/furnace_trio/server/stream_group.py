@@ -10,8 +10,11 @@ them, whatever the other prompts are doing.
 The tasks run in a nursery the caller owns (the app's): a response body is an async
 generator, which cannot keep a nursery open across a ``yield``. A task ends when its
 stream does, and every stream ends when the group is closed or its request is aborted,
-so no task outlives its response for long. It has the surface of a
-:class:`~furnace_trio.engine.RequestStream` that response code reads: iteration,
+so no task outlives its response for long. The tasks hand events over a channel without a
+buffer: while the response is not being written (its client does not read), they stop
+taking their streams' events, and each request's backlog pauses it in the engine. It has
+the surface of a :class:`~furnace_trio.engine.RequestStream` that response code reads:
+iteration,
 :meth:`close` and :attr:`session_id`.
 """
 
@@ -20,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 from collections.abc import Sequence
 
 import trio
@@ -45,7 +47,7 @@ class StreamGroup:
         self._n = n
         self._prompt_tokens = list(prompt_tokens)
         self._cached_tokens = [0] * len(self._streams)
-        send, self._receive = trio.open_memory_channel[tuple[int, Event]](math.inf)
+        send, self._receive = trio.open_memory_channel[tuple[int, Event]](0)
         with send:
             for index, stream in enumerate(self._streams):
                 nursery.start_soon(self._pump, index, stream, send.clone())
@@ -84,10 +86,10 @@ class StreamGroup:
         with send:
             try:
                 async for event in stream:
-                    send.send_nowait((index, event))  # unbounded: never blocks
+                    await send.send((index, event))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # the group was closed
             except Exception as exc:
                 logger.exception("stream %s of a group failed", stream.request_id)
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    send.send_nowait((index, Failed(f"the stream failed: {exc}")))
+                    await send.send((index, Failed(f"the stream failed: {exc}")))
