@@ -1,4 +1,4 @@
-"""Sessions: tests, lint, serve, bench.
+"""Sessions: tests, lint, serve, bench, browser.
 
 Every session installs ``torch==2.13.0`` explicitly *first*: an unpinned torch (asked for by
 this package or by transformers) resolves to a multi-GB CUDA build on CPU-only machines. The
@@ -6,6 +6,9 @@ plain virtualenv backend with pip is used on purpose (uv does not see the local 
 """
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import nox
 
@@ -41,6 +44,28 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", "src", "tests", "benchmarks")
     session.run("mypy", "src")
     session.run("pytest", "-q", "tests/test_architecture.py")
+
+
+@nox.session
+def browser(session: nox.Session) -> None:
+    """The chat page at / in headless Chromium against the default model (~2 min).
+
+    Selenium drives tests/browser/. Installs Debian's chromium and chromium-driver with
+    apt-get when they are missing (as root; otherwise it says what to install).
+    ``FURNACE_CHAT_SCREENSHOT=docs/images/chat.png nox -s browser`` retakes the README's
+    screenshot."""
+    missing = [tool for tool in ("chromium", "chromedriver") if shutil.which(tool) is None]
+    if missing:
+        if os.geteuid() != 0:
+            session.error(
+                f"{', '.join(missing)} not found: sudo apt-get install chromium chromium-driver"
+            )
+        apt = {"DEBIAN_FRONTEND": "noninteractive"}
+        session.run("apt-get", "update", "-qq", external=True, env=apt)
+        packages = ("chromium", "chromium-driver")
+        session.run("apt-get", "install", "-y", "-qq", *packages, external=True, env=apt)
+    _install(session, "test", "browser")
+    session.run("pytest", "-m", "browser", "tests/browser", *session.posargs)
 
 
 @nox.session

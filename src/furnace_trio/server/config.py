@@ -24,6 +24,8 @@ QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "q4")  # as quant.QUAN
 #: KV cache dtypes (``FURNACE_KV_CACHE_DTYPE``), as runner.KV_DTYPES.
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "model", "float16", "int8")
 LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: ``FURNACE_LOG_FORMAT``: lines for a person, or one JSON object a line for a collector.
+LOG_FORMATS: tuple[str, ...] = ("text", "json")
 #: Tool-call output formats (``auto``: from the model's chat template, see docs/tools.md).
 TOOL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3", "mistral")
 
@@ -60,6 +62,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
     log_level: str = "INFO"
+    log_format: str = "text"
     tool_parser: str = "auto"
     quantization: str = "auto"
     session_ttl_s: float = 1800.0
@@ -100,6 +103,10 @@ class ServerConfig:
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(
                 f"log level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(
+                f"log format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}"
             )
         for name in ("max_waiting", "max_body_bytes", "max_response_bytes", "stream_interval"):
             if getattr(self, name) < 1:
@@ -177,6 +184,7 @@ class ServerConfig:
             else defaults.max_body_bytes,
             max_response_bytes=max_response_bytes or defaults.max_response_bytes,
             log_level=choice("FURNACE_LOG_LEVEL", LOG_LEVELS, upper=True) or defaults.log_level,
+            log_format=choice("FURNACE_LOG_FORMAT", LOG_FORMATS) or defaults.log_format,
             tool_parser=choice("FURNACE_TOOL_PARSER", TOOL_PARSERS) or defaults.tool_parser,
             quantization=choice("FURNACE_QUANT", QUANTIZATIONS) or defaults.quantization,
             session_ttl_s=_positive_float(environ, "FURNACE_SESSION_TTL_S", defaults.session_ttl_s),

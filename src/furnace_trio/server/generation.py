@@ -183,6 +183,7 @@ async def collect(started: Started, on_event: Callable[[object], object] | None 
     timing = started.timing
     try:
         async for engine_event in started.stream:
+            timing.observe(engine_event)
             failure = None
             for event in started.translate(engine_event):
                 failure = fold_event(event, started.collector, timing) or failure

@@ -34,6 +34,7 @@ import trio
 from quart_trio import QuartTrio
 
 from furnace_trio.server.config import ServerConfig
+from furnace_trio.server.log_setup import configure_logging
 from furnace_trio.server.state import STATE_KEY, ServerState
 
 logger = logging.getLogger(__name__)
@@ -52,9 +53,7 @@ async def start_backend(app: QuartTrio, state: ServerState) -> None:
         state.config = ServerConfig.from_env()
     cfg = state.config
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes
-    logging.getLogger("furnace_trio").setLevel(cfg.log_level)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=cfg.log_level)
+    configure_logging(cfg.log_level, cfg.log_format)
     factory = state.backend_factory
     if factory is None:
         from furnace_trio.server.backend import load_backend

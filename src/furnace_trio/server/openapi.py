@@ -300,6 +300,18 @@ def openapi_document() -> dict[str, Any]:
                 },
             }
         },
+        "/": {
+            "get": {
+                "summary": "The chat page (HTML; its files are under /static/)",
+                "operationId": "chatPage",
+                "responses": {
+                    "200": {
+                        "description": "The page, with a Content-Security-Policy of this origin only.",
+                        "content": {"text/html": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
     }
     return copy.deepcopy(
         {

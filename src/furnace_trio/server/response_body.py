@@ -93,6 +93,7 @@ async def stream_body(
                     first["session_id"] = stream.session_id
                 yield sse_event(first)
         async for engine_event in stream:
+            timing.observe(engine_event)
             events = tools.translate(engine_event) if tools is not None else [engine_event]
             for event in events:
                 commit_turn(stream, event, collector)  # before its chunk: the client may leave

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 from collections.abc import Sequence
 
 import trio
@@ -35,6 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = Config.from_toml(args.config) if args.config else Config()
     if args.bind:
         config.bind = args.bind
+    if config.errorlog == "-":
+        # hypercorn's records ("Running on ...") go to the app's handler, once and in its
+        # format (furnace_trio.server.log_setup), rather than to a handler of hypercorn's own
+        config.errorlog = logging.getLogger("hypercorn.error")
     trigger = drain_then(app, signalled)
     trio.run(functools.partial(serve, app, config, shutdown_trigger=trigger))  # type: ignore[arg-type]
     return 0

@@ -6,9 +6,10 @@
 - :mod:`.sessions`: ``/v1/sessions/<id>``
 - :mod:`.responses`: ``/v1/responses`` and ``/v1/responses/<id>`` (``input_items`` too)
 - :mod:`.tokenizer`: ``/tokenize``, ``/detokenize``, ``/tokenizer_info``
+- :mod:`.page`: ``/``, the chat page, and its files under ``/static/``
 
 Everything under ``/v1`` and the tokenizer paths is behind the API key, when the server has
-one; ``/health``, ``/metrics`` and ``/openapi.json`` are open.
+one; ``/health``, ``/metrics``, ``/openapi.json`` and the chat page are open.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from furnace_trio.server.auth import check_api_key
 from furnace_trio.server.routes import (
     chat,
     completions,
+    page,
     responses,
     service,
     sessions,
@@ -37,5 +39,5 @@ def register_routes(app: QuartTrio, state: ServerState) -> None:
         if request.path.startswith("/v1") or request.path in TOKENIZER_PATHS:
             check_api_key(state)
 
-    for family in (service, chat, completions, responses, sessions, tokenizer):
+    for family in (service, chat, completions, responses, sessions, tokenizer, page):
         family.register(app, state)

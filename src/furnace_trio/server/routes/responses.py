@@ -216,6 +216,7 @@ async def _stream(run: _Run) -> AsyncIterator[bytes]:
         for event in run.events.start():
             yield sse_frame(event)
         async for engine_event in started.stream:
+            timing.observe(engine_event)
             for translated in started.translate(engine_event):
                 if isinstance(translated, Failed):
                     error = failure_error(translated)
