@@ -117,7 +117,14 @@ def test_header_matches_gguf_reader(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("arch", "tied"),
-    [("llama", False), ("llama", True), ("mistral", False), ("qwen2", True), ("qwen3", False)],
+    [
+        ("llama", False),
+        ("llama", True),
+        ("mistral", False),
+        ("qwen2", True),
+        ("qwen3", False),
+        ("gemma3", True),
+    ],
 )
 def test_tiny_gguf_matches_hf_weights(tmp_path: Path, arch: str, tied: bool) -> None:
     """A GGUF written like llama.cpp's converter loads back to the HF weights exactly."""

@@ -40,6 +40,7 @@ ARCHS = [
     ("qwen2", False, False),
     ("qwen3", True, False),
     ("qwen3", False, False),
+    ("gemma3", True, False),
 ]
 
 
