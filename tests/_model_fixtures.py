@@ -44,7 +44,8 @@ def tiny_hf_config(arch: str, *, tied: bool, rope_llama3: bool = False) -> Any:
 
     ``gemma3`` (text-only, ``Gemma3ForCausalLM``) has 6 layers, so that its standard pattern
     has a global layer after five sliding ones, a window of :data:`GEMMA3_WINDOW`, and a
-    final logit softcap (Gemma 2's, which Gemma 3's code keeps)."""
+    final logit softcap (Gemma 2's, which Gemma 3's code keeps). ``rope_llama3`` scales the
+    rope: llama3's for ``llama``, linear (x8, the global layers, as Gemma 3 4B) for ``gemma3``."""
     import transformers
 
     classes = {
@@ -79,7 +80,12 @@ def tiny_hf_config(arch: str, *, tied: bool, rope_llama3: bool = False) -> Any:
             final_logit_softcapping=30.0,
             pad_token_id=1,
         )
-    if rope_llama3:
+    if rope_llama3 and arch == "gemma3":
+        kwargs["rope_parameters"] = {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        }
+    elif rope_llama3:
         if arch != "llama":
             raise ValueError("llama3 rope scaling is only for the llama architecture")
         kwargs["rope_scaling"] = {
@@ -270,6 +276,9 @@ def write_gguf(
     rope = getattr(config, "rope_parameters", None) or {}
     if arch == "gemma3":
         rope = rope["full_attention"]
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
         writer.add_sliding_window(config.sliding_window)
         if config.final_logit_softcapping:
             writer.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -315,12 +324,15 @@ def write_gguf(
     return path
 
 
-def write_tiny_gguf(tmp_path: Path, arch: str, *, tied: bool, qtype: Any = None) -> Path:
+def write_tiny_gguf(
+    tmp_path: Path, arch: str, *, tied: bool, qtype: Any = None, scaled_rope: bool = False
+) -> Path:
     """A GGUF of :func:`write_tiny_model`'s model (same weights, with tokenizer): float32,
-    or its 2-D weights in ``qtype`` (see :func:`write_gguf`)."""
+    or its 2-D weights in ``qtype`` (see :func:`write_gguf`); ``scaled_rope``: Gemma 3's
+    linear rope scaling."""
     import transformers
 
-    directory = write_tiny_model(tmp_path, arch, tied=tied)
+    directory = write_tiny_model(tmp_path, arch, tied=tied, rope_llama3=scaled_rope)
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     suffix = "" if qtype is None else f".{qtype.name}"
     path = tmp_path / f"{directory.name}{suffix}.gguf"

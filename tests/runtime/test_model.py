@@ -41,6 +41,7 @@ ARCHS = [
     ("qwen3", True, False),
     ("qwen3", False, False),
     ("gemma3", True, False),
+    ("gemma3", False, True),  # linear rope scaling on the global layer
 ]
 
 
@@ -82,7 +83,8 @@ def _table(first: int, n: int = 16) -> tuple[int, ...]:
 @pytest.fixture(
     params=[(*a, n) for a in ARCHS for n in (True, False)],
     ids=lambda a: (
-        f"{a[0]}-{'tied' if a[1] else 'untied'}{'-llama3rope' if a[2] else ''}"
+        f"{a[0]}-{'tied' if a[1] else 'untied'}"
+        f"{('-llama3rope' if a[0] == 'llama' else '-linearrope') if a[2] else ''}"
         f"-{'native' if a[3] else 'torch'}"
     ),
 )

@@ -195,7 +195,7 @@ def _config_from_metadata(
         tie_word_embeddings="output.weight" not in by_name,
         attention_bias="blk.0.attn_q.bias" in by_name,
         qk_norm="blk.0.attn_q_norm.weight" in by_name,
-        rope_scaling=_rope_scaling(contents, by_name, data),
+        rope_scaling=None if gguf_arch == "gemma3" else _rope_scaling(contents, by_name, data),
         **(_gemma3_fields(contents, hidden, num_heads) if gguf_arch == "gemma3" else {}),
     )
 
@@ -207,7 +207,7 @@ def _gemma3_fields(contents: GGUFContents, hidden: int, num_heads: int) -> dict[
     layer), else every 6th layer global; the local rope base ``rope.freq_base_swa``, else
     10,000. The converter does not store ``query_pre_attn_scalar``: llama.cpp scales by
     ``1 / sqrt(head_dim)``, except for the 27B (62 layers), whose scalar is
-    ``hidden / heads``.
+    ``hidden / heads``. Linear rope scaling (4B and larger) applies to the global layers.
     """
     meta = contents.metadata
     layers = int(meta["gemma3.block_count"])
@@ -222,6 +222,10 @@ def _gemma3_fields(contents: GGUFContents, hidden: int, num_heads: int) -> dict[
         sliding = gemma3_sliding_layers(layers, int(pattern))
     scalar = hidden // num_heads if layers == _GEMMA3_27B_LAYERS else head_dim
     softcap = meta.get("gemma3.final_logit_softcapping")
+    scaling = meta.get("gemma3.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise UnsupportedModelError(f"{contents.path.name}: rope scaling {scaling!r}")
+    factor = float(meta.get("gemma3.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
     return {
         "sandwich_norms": True,
         "hidden_activation": "gelu_tanh",
@@ -231,6 +235,7 @@ def _gemma3_fields(contents: GGUFContents, hidden: int, num_heads: int) -> dict[
         "sliding_layers": sliding if window else (),
         "rope_local_theta": float(meta.get("gemma3.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)),
         "final_logit_softcapping": float(softcap) if softcap else None,
+        "rope_linear_factor": factor,
     }
 
 

@@ -157,7 +157,7 @@ def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == "gemma3")),
         attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
         qk_norm=arch in ("qwen3", "gemma3"),
-        rope_scaling=_rope_scaling(rope),
+        rope_scaling=None if gemma else _rope_scaling(rope),
         **gemma,
     )
 
@@ -181,6 +181,10 @@ def _gemma3_fields(raw: Mapping[str, Any], rope: Mapping[str, Any]) -> dict[str,
     else:
         sliding = gemma3_sliding_layers(layers, int(raw.get("sliding_window_pattern") or 6))
     local = rope.get("sliding_attention", {}) if "full_attention" in rope else {}
+    full = rope.get("full_attention", rope)
+    full_type = full.get("rope_type") or full.get("type") or "default"
+    if full_type not in ("default", "linear"):
+        raise UnsupportedModelError(f"unsupported rope scaling {full_type!r} for Gemma 3")
     if (local.get("rope_type") or "default") != "default":
         raise UnsupportedModelError("rope scaling on sliding-window layers is not supported")
     local_theta = local.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0
@@ -194,6 +198,7 @@ def _gemma3_fields(raw: Mapping[str, Any], rope: Mapping[str, Any]) -> dict[str,
         "sliding_window": int(window) if window else None,
         "sliding_layers": sliding if window else (),
         "rope_local_theta": float(local_theta),
+        "rope_linear_factor": float(full["factor"]) if full_type == "linear" else 1.0,
         "final_logit_softcapping": float(softcap) if softcap else None,
     }
 

@@ -49,7 +49,9 @@ class ModelConfig:
     - ``attention_scale``: the scores' scale (``None``: ``1 / sqrt(head_dim)``).
     - ``sliding_window`` and ``sliding_layers``: the layers whose queries see only the
       last ``sliding_window`` positions (their own included); their rotary embedding
-      uses ``rope_local_theta`` (``None``: ``rope_theta``).
+      uses ``rope_local_theta`` (``None``: ``rope_theta``), never scaled.
+    - ``rope_linear_factor``: linear rope scaling of the global layers (positions divided
+      by it; Gemma 3 4B and larger).
     - ``final_logit_softcapping``: logits become ``c * tanh(logits / c)``.
     """
 
@@ -75,6 +77,7 @@ class ModelConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()
     rope_local_theta: float | None = None
+    rope_linear_factor: float = 1.0
     final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:

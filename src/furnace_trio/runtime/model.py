@@ -430,13 +430,15 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig, *, local: bool = False) -> torch.Tensor:
-    """Inverse frequencies, with Llama 3 scaling when the config asks for it; ``local``:
-    those of the sliding-window layers (``rope_local_theta``, never scaled)."""
+    """Inverse frequencies, with Llama 3 or linear scaling when the config asks for it;
+    ``local``: those of the sliding-window layers (``rope_local_theta``, never scaled)."""
     dim = config.head_dim
     theta = config.rope_theta
     if local and config.rope_local_theta is not None:
         theta = config.rope_local_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if not local and config.rope_linear_factor != 1.0:
+        inv_freq = inv_freq / config.rope_linear_factor
     scaling = config.rope_scaling
     if scaling is None or local:
         return inv_freq.float()
