@@ -6,6 +6,7 @@ socket through the official client's completions API (a base model has no chat t
 from __future__ import annotations
 
 import openai
+import pytest
 
 from furnace_trio.server.app import create_app
 from furnace_trio.server.config import ServerConfig
@@ -24,6 +25,11 @@ async def test_gemma3_completes_the_capital_of_france() -> None:
     ):
         models = await client.models.list()
         name = models.data[0].id
+        # a base model: chat is refused with OpenAI's error object, and serving goes on
+        with pytest.raises(openai.BadRequestError, match="chat template"):
+            await client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+            )
         reply = await client.completions.create(
             model=name, prompt=PROMPT, temperature=0, max_tokens=12
         )
