@@ -753,11 +753,9 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
         local = rope_inv_freq(config, local=True).to(device)
         self.register_buffer("inv_freq_local", local, persistent=False)
-        # Sliding-window layers with a rotary base of their own (Gemma 3) take the second table.
-        self._local_rope = any(config.sliding_layers) and config.rope_local_theta not in (
-            None,
-            config.rope_theta,
-        )
+        # Sliding-window layers with rotary frequencies of their own (Gemma 3: another base,
+        # never scaled) take the second table.
+        self._local_rope = any(config.sliding_layers) and not torch.equal(local, self.inv_freq)
         # The window of the sliding layers, for the per-step decode and prefill masks.
         self._window = config.sliding_window if any(config.sliding_layers) else None
         # The embeddings' scale as the model's dtype rounds it (Gemma 3; 1 elsewhere).
