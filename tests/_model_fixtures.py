@@ -21,7 +21,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TINY_VOCAB = 320
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+#: The tiny Gemma 3's sliding window: shorter than the tests' sequences, so it matters.
+GEMMA3_WINDOW = 6
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -38,7 +40,12 @@ _CORPUS = [
 
 
 def tiny_hf_config(arch: str, *, tied: bool, rope_llama3: bool = False) -> Any:
-    """A transformers config of ``arch`` with tiny sizes (GQA, 2 layers, vocab 320)."""
+    """A transformers config of ``arch`` with tiny sizes (GQA, 2 layers, vocab 320).
+
+    ``gemma3`` (text-only, ``Gemma3ForCausalLM``) has 6 layers, so that its standard pattern
+    has a global layer after five sliding ones, a window of :data:`GEMMA3_WINDOW`, and a
+    final logit softcap (Gemma 2's, which Gemma 3's code keeps). ``rope_llama3`` scales the
+    rope: llama3's for ``llama``, linear (x8, the global layers, as Gemma 3 4B) for ``gemma3``."""
     import transformers
 
     classes = {
@@ -46,6 +53,7 @@ def tiny_hf_config(arch: str, *, tied: bool, rope_llama3: bool = False) -> Any:
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "gemma3": transformers.Gemma3TextConfig,
     }
     if arch not in classes:
         raise ValueError(f"unknown tiny architecture {arch!r}")
@@ -62,9 +70,22 @@ def tiny_hf_config(arch: str, *, tied: bool, rope_llama3: bool = False) -> Any:
         bos_token_id=0,
         eos_token_id=2,
     )
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         kwargs["head_dim"] = 24  # decoupled from hidden_size // num_heads (16), as in Qwen3
-    if rope_llama3:
+    if arch == "gemma3":
+        kwargs.update(
+            num_hidden_layers=6,
+            sliding_window=GEMMA3_WINDOW,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+            pad_token_id=1,
+        )
+    if rope_llama3 and arch == "gemma3":
+        kwargs["rope_parameters"] = {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        }
+    elif rope_llama3:
         if arch != "llama":
             raise ValueError("llama3 rope scaling is only for the llama architecture")
         kwargs["rope_scaling"] = {
@@ -163,6 +184,12 @@ _GGUF_BLOCK_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+_GGUF_GEMMA3_BLOCK_NAMES = {
+    **_GGUF_BLOCK_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _GGUF_GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -170,13 +197,14 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def gguf_name(hf_name: str) -> str:
-    """The llama.cpp tensor name of a Hugging Face Llama-family weight."""
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
+    """The llama.cpp tensor name of a Hugging Face Llama-family or Gemma 3 weight."""
     if hf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_BLOCK_NAMES[module]}.{kind}"
+    names = _GGUF_GEMMA3_BLOCK_NAMES if arch == "gemma3" else _GGUF_BLOCK_NAMES
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 def llama_cpp_permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -220,7 +248,9 @@ def write_gguf(
     """Write a GGUF of a transformers state dict the way llama.cpp's converter does.
 
     Q/K weights and biases are permuted for the ``llama`` architecture (also Mistral's,
-    which llama.cpp writes as ``llama``); Qwen2/Qwen3 are written as is. A tied
+    which llama.cpp writes as ``llama``); Qwen2/Qwen3 are written as is. Gemma 3 (from its
+    ``gemma3_text`` config) as llama.cpp's ``Gemma3Model``: one added to every norm
+    weight, the sliding window and final logit softcap in the metadata. A tied
     ``lm_head.weight`` is omitted. Tensors are float32, or with ``qtype`` (a
     ``gguf.GGMLQuantizationType``) every 2-D weight is stored in that type (``F16``, or
     blocks ``gguf.quants.quantize`` writes), after the permutation, as llama.cpp does. With ``tokenizer_dir``, its ``tokenizer.json`` vocabulary
@@ -229,7 +259,8 @@ def write_gguf(
     import gguf
 
     model_type = config.model_type
-    arch = architecture or ("llama" if model_type == "mistral" else model_type)
+    renamed = {"mistral": "llama", "gemma3_text": "gemma3"}
+    arch = architecture or renamed.get(model_type, model_type)
     n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_head
     writer = gguf.GGUFWriter(str(path), arch)
@@ -243,6 +274,14 @@ def write_gguf(
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = getattr(config, "rope_parameters", None) or {}
+    if arch == "gemma3":
+        rope = rope["full_attention"]
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_sliding_window(config.sliding_window)
+        if config.final_logit_softcapping:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 1e4))))
     if tokenizer_dir is not None:
         tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
@@ -265,15 +304,17 @@ def write_gguf(
         if tied and name == "lm_head.weight":
             continue
         data = tensor.detach().float()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1  # Gemma3RMSNorm's (1 + weight), as the converter folds it
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             data = llama_cpp_permute(data, n_head if ".q_proj." in name else n_kv)
         if qtype is None or data.dim() != 2:
-            writer.add_tensor(gguf_name(name), data.numpy())
+            writer.add_tensor(gguf_name(name, arch), data.numpy())
         elif qtype == gguf.GGMLQuantizationType.F16:
-            writer.add_tensor(gguf_name(name), data.numpy().astype("float16"))
+            writer.add_tensor(gguf_name(name, arch), data.numpy().astype("float16"))
         else:
             blocks = gguf.quants.quantize(data.numpy(), qtype)
-            writer.add_tensor(gguf_name(name), blocks, raw_dtype=qtype)
+            writer.add_tensor(gguf_name(name, arch), blocks, raw_dtype=qtype)
     for name, tensor in (extra_tensors or {}).items():
         writer.add_tensor(name, tensor.numpy())
     writer.write_header_to_file()
@@ -283,12 +324,15 @@ def write_gguf(
     return path
 
 
-def write_tiny_gguf(tmp_path: Path, arch: str, *, tied: bool, qtype: Any = None) -> Path:
+def write_tiny_gguf(
+    tmp_path: Path, arch: str, *, tied: bool, qtype: Any = None, scaled_rope: bool = False
+) -> Path:
     """A GGUF of :func:`write_tiny_model`'s model (same weights, with tokenizer): float32,
-    or its 2-D weights in ``qtype`` (see :func:`write_gguf`)."""
+    or its 2-D weights in ``qtype`` (see :func:`write_gguf`); ``scaled_rope``: Gemma 3's
+    linear rope scaling."""
     import transformers
 
-    directory = write_tiny_model(tmp_path, arch, tied=tied)
+    directory = write_tiny_model(tmp_path, arch, tied=tied, rope_llama3=scaled_rope)
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     suffix = "" if qtype is None else f".{qtype.name}"
     path = tmp_path / f"{directory.name}{suffix}.gguf"

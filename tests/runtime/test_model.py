@@ -27,7 +27,7 @@ from furnace_trio.runtime.quant import NativeQ4Linear, dequantize_q4, quantize_q
 from furnace_trio.runtime.runner import KV_DTYPES, ModelRunner, RunnerConfig, build_inputs
 from furnace_trio.server import config as server_config
 
-from .._model_fixtures import write_tiny_model
+from .._model_fixtures import GEMMA3_WINDOW, write_tiny_model
 
 BLOCK = 4
 TOL = 2e-5
@@ -40,6 +40,8 @@ ARCHS = [
     ("qwen2", False, False),
     ("qwen3", True, False),
     ("qwen3", False, False),
+    ("gemma3", True, False),
+    ("gemma3", False, True),  # linear rope scaling on the global layer
 ]
 
 
@@ -81,7 +83,8 @@ def _table(first: int, n: int = 16) -> tuple[int, ...]:
 @pytest.fixture(
     params=[(*a, n) for a in ARCHS for n in (True, False)],
     ids=lambda a: (
-        f"{a[0]}-{'tied' if a[1] else 'untied'}{'-llama3rope' if a[2] else ''}"
+        f"{a[0]}-{'tied' if a[1] else 'untied'}"
+        f"{('-llama3rope' if a[0] == 'llama' else '-linearrope') if a[2] else ''}"
         f"-{'native' if a[3] else 'torch'}"
     ),
 )
@@ -155,19 +158,27 @@ def _batched_prefill_logits(runner: ModelRunner, plan: StepPlan) -> torch.Tensor
     """``runner.logits(plan)`` with the step's prefill rows attended in one call, the CUDA
     form (:class:`PrefillBatch`), here on the CPU."""
     inputs = build_inputs(plan, runner.block_size, runner.device, all_rows=True)
-    heads = runner.config.num_heads * runner.config.head_dim
-    batch = PrefillBatch.build(inputs, runner.block_size, torch.float32, heads)
+    c = runner.config
+    window = c.sliding_window if any(c.sliding_layers) else None
+    batch = PrefillBatch.build(
+        inputs, runner.block_size, torch.float32, c.num_heads * c.head_dim, window
+    )
     assert batch is not None
     with torch.inference_mode():
         return runner.model(dataclasses.replace(inputs, prefill=batch), runner.cache)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_batched_prefill_rows_equal_rows_attended_one_by_one(tmp_path: Path, kv_dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "kv_dtype"), [("qwen3", "auto"), ("qwen3", "int8"), ("gemma3", "auto")]
+)
+def test_batched_prefill_rows_equal_rows_attended_one_by_one(
+    tmp_path: Path, arch: str, kv_dtype: str
+) -> None:
     """Fresh prompts of different lengths, chunks after cached tokens and decodes in one
     step: the prefill rows attended in one padded call give the logits the per-row path
-    gives (and, with a float cache, transformers' own)."""
-    path = write_tiny_model(tmp_path, "qwen3", tied=False)
+    gives (and, with a float cache, transformers' own). Gemma 3's sliding layers take the
+    batch's windowed mask (its prompts outgrow the tiny model's window)."""
+    path = write_tiny_model(tmp_path, arch, tied=arch == "gemma3")
     ref = _reference(path)
     vocab = load_hf_directory(path)[0].vocab_size
     gen = torch.Generator().manual_seed(5)
@@ -690,3 +701,13 @@ def test_a_prompt_released_between_its_chunks_leaves_no_scores(tmp_path: Path) -
     assert runner._prompt_scores.keys() == {3}
     runner.step(StepPlan((), released=(3,)))
     assert runner._prompt_scores == {}
+
+
+def test_gemma3_takes_the_per_op_path_with_native_attention(tmp_path: Path) -> None:
+    """The fused all-layers C call is Llama's (no extra norms, SiLU, no window): Gemma 3
+    runs native linears and the windowed native attention between torch's elementwise ops."""
+    runner = _runner(write_tiny_model(tmp_path, "gemma3", tied=True), quantization="int8")
+    assert runner.model.attends_natively
+    assert runner.model.kernels is None  # no fused layer path
+    windows = [layer.self_attn.window for layer in runner.model.layers]
+    assert windows == [GEMMA3_WINDOW] * 5 + [None]

@@ -260,15 +260,23 @@ def _paged_int8(
     return cache.clamp(-127, 127).to(torch.int8), scales, tables, held
 
 
+@pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 40), (8, 1, 16)])
 def test_paged_decode_attention_matches_sdpa(
-    kernels: native.Kernels, heads: int, kv_heads: int, head_dim: int, cache_dtype: torch.dtype
+    kernels: native.Kernels,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    cache_dtype: torch.dtype,
+    window: int | None,
 ) -> None:
+    """With a sliding ``window`` (Gemma 3), the query sees only its last ``window``
+    positions: contexts below, at and above it, and windows that start mid-block."""
     gen = torch.Generator().manual_seed(heads)
     # One position, part of a block, block edges, and contexts of one, two, three and
     # sixteen chunks of 64 positions (the chunks are merged in a second pass).
-    lengths = [1, 5, 16, 17, 64, 65, 150, 1000]
+    lengths = [1, 5, 16, 17, 64, 65, 100, 150, 1000]
     # Values a float16 cache holds exactly, so both float cache types have one reference.
     keys = [torch.randn(n, kv_heads, head_dim, generator=gen).half().float() for n in lengths]
     values = [torch.randn(n, kv_heads, head_dim, generator=gen).half().float() for n in lengths]
@@ -286,12 +294,13 @@ def test_paged_decode_attention_matches_sdpa(
     out = torch.empty_like(q)
     scale = 1 / math.sqrt(head_dim)
     ctx = torch.tensor(lengths, dtype=torch.int64)
-    kernels.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, out, scales)
-    for i in range(len(lengths)):
+    kernels.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, out, scales, window)
+    for i, n in enumerate(lengths):
+        first = 0 if window is None else max(0, n - window)
         want = F.scaled_dot_product_attention(
             q[i][:, None, :],
-            keys[i].transpose(0, 1),
-            values[i].transpose(0, 1),
+            keys[i][first:].transpose(0, 1),
+            values[i][first:].transpose(0, 1),
             scale=scale,
             enable_gqa=True,
         )[:, 0]

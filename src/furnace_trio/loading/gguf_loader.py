@@ -10,7 +10,8 @@ llama.cpp's converter permutes the rows of ``q_proj``/``k_proj`` (and their bias
 ``llama`` architecture, to turn Hugging Face's "rotate half" RoPE layout into GGML's
 interleaved one; the records of those tensors undo it on every read, so the weights are
 interchangeable with :func:`furnace_trio.loading.hf_loader.load_hf_directory`'s. Qwen2/Qwen3
-GGUFs are not permuted.
+and Gemma 3 GGUFs are not permuted. Gemma 3's converter writes its RMSNorm weights with the
+one added (the multiplier itself), which is the convention of every loader's output.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ from typing import Any
 import numpy as np
 
 from furnace_trio.loading.gguf_file import GGUFContents, GGUFTensorInfo, read_gguf
-from furnace_trio.loading.model_config import ModelConfig, RopeScaling, UnsupportedModelError
+from furnace_trio.loading.model_config import (
+    ModelConfig,
+    RopeScaling,
+    UnsupportedModelError,
+    gemma3_sliding_layers,
+)
 from furnace_trio.loading.tensors import LazyWeights, MappedFile, TensorRecord, to_float
 
 __all__ = ["GGUFContents", "GGUFTensorInfo", "load_gguf", "read_gguf"]
@@ -32,7 +38,13 @@ __all__ = ["GGUFContents", "GGUFTensorInfo", "load_gguf", "read_gguf"]
 logger = logging.getLogger(__name__)
 
 # GGUF architecture name -> ModelConfig.architecture (Mistral GGUFs say "llama").
-_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHITECTURES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3",
+}
 # Architectures whose converter permutes Q/K rows (llama.cpp ``LlamaModel.permute``).
 _PERMUTED_ARCHITECTURES = frozenset({"llama", "mistral"})
 # llama.cpp's default when a llama3 GGUF stores rope_freqs without the original context.
@@ -56,6 +68,19 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's four norms per layer: ``ffn_norm`` is the MLP's input norm, as in Llama, but
+# Hugging Face calls it ``pre_feedforward_layernorm`` there (``post_attention_layernorm``
+# normalizes the attention's output).
+_GEMMA3_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Gemma 3's defaults where its GGUF metadata says nothing (llama.cpp's gemma3 loader).
+_GEMMA3_SLIDING_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+_GEMMA3_27B_LAYERS = 62
 
 
 def load_gguf(path: str | Path) -> tuple[ModelConfig, LazyWeights]:
@@ -80,7 +105,9 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, LazyWeights]:
     for info in contents.tensors:
         if info.name == "rope_freqs.weight":
             continue
-        hf_name = _hf_name(info.name)
+        hf_name = _hf_name(
+            info.name, _GEMMA3_BLOCK_NAMES if config.sandwich_norms else _BLOCK_NAMES
+        )
         projection = hf_name.rsplit(".", 2)[-2]
         n_head = heads.get(projection) if permuted else None
         records[hf_name] = TensorRecord(
@@ -100,7 +127,7 @@ def _dequantize(data: np.ndarray | MappedFile, info: GGUFTensorInfo) -> np.ndarr
     return to_float(raw, info.qtype, info.shape, info.name)
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, block_names: Mapping[str, str]) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts = name.split(".")
@@ -108,11 +135,11 @@ def _hf_name(name: str) -> str:
         len(parts) == 4
         and parts[0] == "blk"
         and parts[1].isdigit()
-        and parts[2] in _BLOCK_NAMES
+        and parts[2] in block_names
         and parts[3] in ("weight", "bias")
     ):
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
-    raise UnsupportedModelError(f"unexpected tensor {name!r} in a Llama-family GGUF")
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{parts[3]}"
+    raise UnsupportedModelError(f"unexpected tensor {name!r} in a GGUF")
 
 
 def _config_from_metadata(
@@ -168,8 +195,48 @@ def _config_from_metadata(
         tie_word_embeddings="output.weight" not in by_name,
         attention_bias="blk.0.attn_q.bias" in by_name,
         qk_norm="blk.0.attn_q_norm.weight" in by_name,
-        rope_scaling=_rope_scaling(contents, by_name, data),
+        rope_scaling=None if gguf_arch == "gemma3" else _rope_scaling(contents, by_name, data),
+        **(_gemma3_fields(contents, hidden, num_heads) if gguf_arch == "gemma3" else {}),
     )
+
+
+def _gemma3_fields(contents: GGUFContents, hidden: int, num_heads: int) -> dict[str, Any]:
+    """Gemma 3's :class:`ModelConfig` fields from GGUF metadata, read as llama.cpp does.
+
+    The sliding pattern is ``attention.sliding_window_pattern`` (a period, or one flag per
+    layer), else every 6th layer global; the local rope base ``rope.freq_base_swa``, else
+    10,000. The converter does not store ``query_pre_attn_scalar``: llama.cpp scales by
+    ``1 / sqrt(head_dim)``, except for the 27B (62 layers), whose scalar is
+    ``hidden / heads``. Linear rope scaling (4B and larger) applies to the global layers.
+    """
+    meta = contents.metadata
+    layers = int(meta["gemma3.block_count"])
+    head_dim = int(meta.get("gemma3.attention.key_length", hidden // num_heads))
+    window = meta.get("gemma3.attention.sliding_window")
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", _GEMMA3_SLIDING_PATTERN)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise UnsupportedModelError(f"{contents.path.name}: sliding pattern per layer")
+        sliding = tuple(bool(flag) for flag in pattern)
+    else:
+        sliding = gemma3_sliding_layers(layers, int(pattern))
+    scalar = hidden // num_heads if layers == _GEMMA3_27B_LAYERS else head_dim
+    softcap = meta.get("gemma3.final_logit_softcapping")
+    scaling = meta.get("gemma3.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise UnsupportedModelError(f"{contents.path.name}: rope scaling {scaling!r}")
+    factor = float(meta.get("gemma3.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+    return {
+        "sandwich_norms": True,
+        "hidden_activation": "gelu_tanh",
+        "embedding_multiplier": math.sqrt(hidden),
+        "attention_scale": float(scalar) ** -0.5,  # as transformers computes it
+        "sliding_window": int(window) if window else None,
+        "sliding_layers": sliding if window else (),
+        "rope_local_theta": float(meta.get("gemma3.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)),
+        "final_logit_softcapping": float(softcap) if softcap else None,
+        "rope_linear_factor": factor,
+    }
 
 
 def _rope_scaling(
@@ -238,10 +305,14 @@ def _check_complete(weights: Mapping[str, Any], config: ModelConfig, path: Path)
     needed = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         needed.append("lm_head.weight")
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if config.sandwich_norms:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    if config.qk_norm:
+        norms += ["self_attn.q_norm", "self_attn.k_norm"]
     for i in range(config.num_layers):
         for part in (
-            "input_layernorm",
-            "post_attention_layernorm",
+            *norms,
             "self_attn.o_proj",
             "self_attn.q_proj",
             "self_attn.k_proj",

@@ -1,11 +1,13 @@
 """Load a Hugging Face model directory: ``config.json`` + safetensors -> config, weights.
 
-Accepted: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and
-``Qwen3ForCausalLM`` checkpoints, in one ``model.safetensors`` or sharded through
+Accepted: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM`` and ``Gemma3ForCausalLM`` (text-only, ``gemma3_text``) checkpoints, in one ``model.safetensors`` or sharded through
 ``model.safetensors.index.json``. Weights come back as records over the memory-mapped
 files (:class:`~furnace_trio.loading.tensors.LazyWeights`, float32 when looked up) under
 their own (already Hugging Face Llama) names; a tied checkpoint has no ``lm_head.weight``,
-like a GGUF without ``output.weight``, so both loaders' outputs are interchangeable.
+like a GGUF without ``output.weight``, so both loaders' outputs are interchangeable. Gemma's
+RMSNorm weights are stored as the multiplier minus one; their records add the one back, as
+llama.cpp's converter does when it writes a GGUF.
 
 The safetensors header (a little-endian u64 length, then JSON: name -> dtype, shape and
 byte range after the header) is read here; ``F32``, ``F16`` and ``BF16`` (and ``F64``) are
@@ -14,6 +16,7 @@ GGML's float types byte for byte, so a record needs nothing else to read a tenso
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -24,20 +27,34 @@ from typing import Any
 
 import gguf
 
-from furnace_trio.loading.model_config import ModelConfig, RopeScaling, UnsupportedModelError
+from furnace_trio.loading.model_config import (
+    ModelConfig,
+    RopeScaling,
+    UnsupportedModelError,
+    gemma3_sliding_layers,
+)
 from furnace_trio.loading.tensors import LazyWeights, MappedFile, TensorRecord
 
 __all__ = ["load_hf_directory"]
 
 logger = logging.getLogger(__name__)
 
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+}
 _CLASS_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
+# Hugging Face activation names -> ModelConfig.hidden_activation.
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _DTYPES = {
     "F32": gguf.GGMLQuantizationType.F32,
     "F16": gguf.GGMLQuantizationType.F16,
@@ -67,6 +84,11 @@ def load_hf_directory(path: str | Path) -> tuple[ModelConfig, LazyWeights]:
     records: dict[str, TensorRecord] = {}
     for file in _safetensors_files(directory):
         records.update(_safetensors_records(file))
+    if config.architecture == "gemma3":
+        records = {
+            name: dataclasses.replace(r, shift=1.0) if name.endswith("norm.weight") else r
+            for name, r in records.items()
+        }
     if config.tie_word_embeddings:
         records.pop("lm_head.weight", None)
     elif "lm_head.weight" not in records:
@@ -117,6 +139,9 @@ def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:
     num_heads = int(raw["num_attention_heads"])
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     head_dim = raw.get("head_dim") or hidden // num_heads
+    gemma = _gemma3_fields(raw, rope) if arch == "gemma3" else {}
+    if gemma:
+        rope = rope.get("full_attention", rope)
     return ModelConfig(
         architecture=arch,
         vocab_size=int(raw["vocab_size"]),
@@ -129,11 +154,53 @@ def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == "gemma3")),
         attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=arch == "qwen3",
-        rope_scaling=_rope_scaling(rope),
+        qk_norm=arch in ("qwen3", "gemma3"),
+        rope_scaling=None if gemma else _rope_scaling(rope),
+        **gemma,
     )
+
+
+def _gemma3_fields(raw: Mapping[str, Any], rope: Mapping[str, Any]) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields particular to a ``gemma3_text`` config.
+
+    Sliding layers come from ``layer_types`` (transformers 5) or ``sliding_window_pattern``
+    (every n-th layer global); rope bases from ``rope_parameters`` per layer type, or
+    ``rope_theta`` and ``rope_local_base_freq``.
+    """
+    if raw.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModelError("attention logit softcapping (Gemma 2) is not supported")
+    activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation not in _ACTIVATIONS:
+        raise UnsupportedModelError(f"unsupported hidden_activation {activation!r}")
+    layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types")
+    if types:
+        sliding = tuple(t == "sliding_attention" for t in types)
+    else:
+        sliding = gemma3_sliding_layers(layers, int(raw.get("sliding_window_pattern") or 6))
+    local = rope.get("sliding_attention", {}) if "full_attention" in rope else {}
+    full = rope.get("full_attention", rope)
+    full_type = full.get("rope_type") or full.get("type") or "default"
+    if full_type not in ("default", "linear"):
+        raise UnsupportedModelError(f"unsupported rope scaling {full_type!r} for Gemma 3")
+    if (local.get("rope_type") or "default") != "default":
+        raise UnsupportedModelError("rope scaling on sliding-window layers is not supported")
+    local_theta = local.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0
+    window = raw.get("sliding_window")
+    softcap = raw.get("final_logit_softcapping")
+    return {
+        "sandwich_norms": True,
+        "hidden_activation": _ACTIVATIONS[activation],
+        "embedding_multiplier": float(raw["hidden_size"]) ** 0.5,
+        "attention_scale": float(raw.get("query_pre_attn_scalar") or 256) ** -0.5,
+        "sliding_window": int(window) if window else None,
+        "sliding_layers": sliding if window else (),
+        "rope_local_theta": float(local_theta),
+        "rope_linear_factor": float(full["factor"]) if full_type == "linear" else 1.0,
+        "final_logit_softcapping": float(softcap) if softcap else None,
+    }
 
 
 def _architecture(raw: Mapping[str, Any]) -> str:

@@ -102,6 +102,8 @@ class TensorRecord:
     ``shape`` is in torch order (``[out, in]`` for a linear weight); ``ggml_type`` is how
     the file stores it; ``offset``/``n_bytes`` locate it in ``file``. ``n_head``: the head
     count whose llama.cpp Q/K row permutation every read undoes (``None``: stored as is).
+    ``shift``: added to every value read as floats (Gemma's checkpoints store an RMSNorm's
+    multiplier minus one).
     """
 
     name: str
@@ -111,6 +113,7 @@ class TensorRecord:
     offset: int
     n_bytes: int
     n_head: int | None = None
+    shift: float = 0.0
 
     @property
     def quantized(self) -> bool:
@@ -120,6 +123,11 @@ class TensorRecord:
         """The stored bytes as rows, ``uint8 [shape[0], row_bytes]`` (a 1-D float tensor's
         rows are its elements, a 1-D quantized one is one row), in Hugging Face row order;
         a fresh copy."""
+        if self.shift:
+            raise UnsupportedModelError(f"{self.name}: a shifted tensor read as blocks")
+        return self._rows()
+
+    def _rows(self) -> np.ndarray:
         raw = self.file.read(self.offset, self.n_bytes)
         one_row = not self.shape or (len(self.shape) == 1 and self.quantized)
         rows = raw.reshape(1 if one_row else self.shape[0], -1)
@@ -131,7 +139,10 @@ class TensorRecord:
 
     def float(self) -> torch.Tensor:
         """The values as a fresh float32 tensor of ``shape``."""
-        return torch.from_numpy(to_float(self.blocks(), self.ggml_type, self.shape, self.name))
+        values = to_float(self._rows(), self.ggml_type, self.shape, self.name)
+        if self.shift:
+            values += self.shift
+        return torch.from_numpy(values)
 
 
 class LazyWeights(Mapping[str, torch.Tensor]):

@@ -12,7 +12,8 @@ where the model came from. Two constructors:
   original ``tokenizer.json``. Note that ``transformers`` ignores ``smollm`` (it falls
   back to plain GPT-2 splitting): SmolLM2 was trained with single-digit splitting
   *before* the GPT-2 regex, which we keep, so the two differ on whitespace followed by a
-  digit (``"a  1"``). SentencePiece (``llama``) GGUF vocabularies are not supported yet.
+  digit (``"a  1"``). A SentencePiece (``llama``) GGUF vocabulary, Gemma's for one, becomes
+  a BPE ranked by the tokens' scores (:mod:`furnace_trio.loading.spm_vocab`).
 
 BOS handling: ``encode(text)`` adds BOS exactly when the model says so
 (``add_bos_token``), never twice; chat prompts are rendered to text with
@@ -39,6 +40,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from furnace_trio.loading.gguf_file import read_gguf
 from furnace_trio.loading.model_config import UnsupportedModelError
+from furnace_trio.loading.spm_vocab import build_spm_tokenizer
 from furnace_trio.text.chat_template import ChatTemplateError, compile_chat_template
 from furnace_trio.text.special_text import ChatText, SpecialTexts, new_marker
 
@@ -154,6 +156,28 @@ def _build_pre_tokenizer(name: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
         ),
         ignore_merges,
     )
+
+
+def _byte_level_bpe(tokens: list[str], merges_raw: list[str], pre_name: str) -> HFTokenizer:
+    """A byte-level BPE (``tokenizer.ggml.model`` ``gpt2``) of a GGUF's tokens and merges."""
+    if not merges_raw:
+        raise UnsupportedModelError("GGUF tokenizer lacks merges")
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)  # first wins, as in llama.cpp
+    merges: list[tuple[str, str]] = []
+    for merge in merges_raw:
+        left, sep, right = merge.partition(" ")
+        if not sep or not left or not right:
+            raise UnsupportedModelError(f"malformed GGUF merge {merge!r}")
+        merges.append((left, right))
+    pre_tokenizer, ignore_merges = _build_pre_tokenizer(pre_name)
+    hf = HFTokenizer(
+        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=ignore_merges)
+    )
+    hf.pre_tokenizer = pre_tokenizer
+    hf.decoder = decoders.ByteLevel()
+    return hf
 
 
 def _token_content(value: Any) -> str | None:
@@ -348,36 +372,29 @@ class Tokenizer:
         parse the file twice.
         """
         model = fields.get("tokenizer.ggml.model")
-        if model != "gpt2":
+        if model not in ("gpt2", "llama"):
             raise UnsupportedModelError(
-                f"GGUF tokenizer model {model!r} is not supported yet "
-                "(only byte-level BPE, 'gpt2'; SentencePiece 'llama' vocabularies are not)"
+                f"GGUF tokenizer model {model!r} is not supported "
+                "(byte-level BPE 'gpt2' and SentencePiece 'llama' are)"
             )
         tokens = list(fields.get("tokenizer.ggml.tokens") or ())
-        merges_raw = list(fields.get("tokenizer.ggml.merges") or ())
-        if not tokens or not merges_raw:
-            raise UnsupportedModelError("GGUF tokenizer lacks tokens or merges")
+        if not tokens:
+            raise UnsupportedModelError("GGUF tokenizer lacks tokens")
         types = list(fields.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens))
         if len(types) != len(tokens):
             raise UnsupportedModelError("GGUF token_type and tokens differ in length")
-
-        vocab: dict[str, int] = {}
-        for index, token in enumerate(tokens):
-            vocab.setdefault(token, index)  # first wins, as in llama.cpp
-        merges: list[tuple[str, str]] = []
-        for merge in merges_raw:
-            left, sep, right = merge.partition(" ")
-            if not sep or not left or not right:
-                raise UnsupportedModelError(f"malformed GGUF merge {merge!r}")
-            merges.append((left, right))
-
-        pre_name = fields.get("tokenizer.ggml.pre") or "default"
-        pre_tokenizer, ignore_merges = _build_pre_tokenizer(pre_name)
-        hf = HFTokenizer(
-            models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=ignore_merges)
-        )
-        hf.pre_tokenizer = pre_tokenizer
-        hf.decoder = decoders.ByteLevel()
+        if model == "llama":
+            pre_name = "spm"
+            hf = build_spm_tokenizer(
+                tokens,
+                list(fields.get("tokenizer.ggml.scores") or ()),
+                types,
+                add_space_prefix=bool(fields.get("tokenizer.ggml.add_space_prefix", True)),
+            )
+        else:
+            pre_name = fields.get("tokenizer.ggml.pre") or "default"
+            hf = _byte_level_bpe(tokens, list(fields.get("tokenizer.ggml.merges") or ()), pre_name)
+        vocab_size = len(set(tokens))
 
         control = [
             AddedToken(tok, special=True, normalized=False)
@@ -391,10 +408,10 @@ class Tokenizer:
         ]
         hf.add_special_tokens(control)
         hf.add_tokens(user)
-        if len(vocab) != len(tokens):
+        if vocab_size != len(tokens):
             logger.warning(
                 "GGUF vocabulary repeats %d token texts; the later ids are unreachable",
-                len(tokens) - len(vocab),
+                len(tokens) - vocab_size,
             )
 
         def opt_id(key: str) -> int | None:
@@ -410,12 +427,7 @@ class Tokenizer:
         if add_bos is None:
             add_bos = False
         template = fields.get("tokenizer.chat_template")
-        logger.debug(
-            "GGUF tokenizer: %d tokens, %d merges, pre-tokenizer %r",
-            len(tokens),
-            len(merges),
-            pre_name,
-        )
+        logger.debug("GGUF tokenizer: %d tokens, pre-tokenizer %r", len(tokens), pre_name)
         return cls(
             hf,
             bos_token_id=opt_id("tokenizer.ggml.bos_token_id"),

@@ -789,18 +789,30 @@ static ALWAYS_INLINE void attend_chunk(const float *qs, const void *k_cache, con
     }
 }
 
+/* The first position a query at position ctx - 1 sees: ctx - window with a sliding window
+ * (window > 0), else 0. */
+static inline int64_t window_start(int64_t ctx, int64_t window) {
+    return window > 0 && ctx > window ? ctx - window : 0;
+}
+
 /* kv_kind: the caches' format (KV_F32, KV_F16, KV_I8; the scales only for KV_I8, else
- * NULL). Returns 0, or -1 when out of memory. */
+ * NULL). window: a sliding window (the last window positions seen, the query's own
+ * included), or 0 for the whole context; the chunks start at the window's first position,
+ * so a position's result depends on its own context alone. Returns 0, or -1 when out of
+ * memory. */
 int furnace_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
                                    const float *k_scale, const float *v_scale,
                                    const int64_t *tables, int64_t max_blocks, const int64_t *ctx,
                                    int64_t S, int64_t H, int64_t KV, int64_t D,
-                                   int64_t block_size, float scale, float *out, int kv_kind) {
+                                   int64_t block_size, float scale, int64_t window, float *out,
+                                   int kv_kind) {
     /* first[s]: sequence s's first task; the tasks of all sequences, numbered in order. */
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (S + 1));
     if (!first) return -1;
     first[0] = 0;
-    for (int64_t s = 0; s < S; s++) first[s + 1] = first[s] + (ctx[s] + ATT_CHUNK - 1) / ATT_CHUNK;
+    for (int64_t s = 0; s < S; s++)
+        first[s + 1] =
+            first[s] + (ctx[s] - window_start(ctx[s], window) + ATT_CHUNK - 1) / ATT_CHUNK;
     const int64_t tasks = first[S], per_task = H * (D + 2);
     /* Per task: mx [H], l [H], o [H, D]. */
     float *part = (float *)malloc(sizeof(float) * (tasks > 0 ? tasks : 1) * per_task);
@@ -816,7 +828,7 @@ int furnace_paged_decode_attention(const float *q, const void *k_cache, const vo
         for (int64_t t = 0; t < tasks; t++) {
             while (first[s + 1] <= t) s++;
             while (first[s] > t) s--;
-            const int64_t p0 = (t - first[s]) * ATT_CHUNK;
+            const int64_t p0 = window_start(ctx[s], window) + (t - first[s]) * ATT_CHUNK;
             const int64_t p1 = p0 + ATT_CHUNK < ctx[s] ? p0 + ATT_CHUNK : ctx[s];
             float *mx = part + t * per_task, *l = mx + H, *o = l + H;
             const int64_t *table = tables + s * max_blocks;
@@ -1076,7 +1088,7 @@ int furnace_decode_layers(int64_t L, const int64_t *ptrs, int64_t S, int64_t hid
         float *ks = PTR(float *, P_K_SCALE), *vs = PTR(float *, P_V_SCALE);
         furnace_rope_store(qkv, S, H, KV, D, cos_t, sin_t, slots, kc, vc, ks, vs, q, k, kv_kind);
         if (furnace_paged_decode_attention(q, kc, vc, ks, vs, tables, max_blocks, ctx, S, H, KV,
-                                           D, block_size, scale, att, kv_kind))
+                                           D, block_size, scale, 0, att, kv_kind))
             return -1;
         if (table_linear(p, P_O, att, S, H * D, hidden, h, qs)) return -1;
         furnace_add_rmsnorm(x, h, S, hidden, PTR(const float *, P_POST_NORM), eps, normed);

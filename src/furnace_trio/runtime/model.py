@@ -1,4 +1,4 @@
-"""The Llama-family forward pass over a paged KV cache.
+"""The Llama-family (and Gemma 3) forward pass over a paged KV cache.
 
 One :meth:`Transformer.forward` call runs a whole step: every sequence contributes a chunk of
 new tokens (a whole prompt, a prefill chunk, or one decode token) at its own position. The
@@ -13,6 +13,11 @@ view, which is where :class:`StepInputs.slot_mapping` points.
 
 Projections are fused (q/k/v into one matrix, gate/up into one) so a step makes few, large
 matrix products; :class:`Linear` is the single place a quantized kernel plugs in.
+
+Gemma 3 is the same pass with its differences switched on by :class:`ModelConfig`: four
+norms per layer, GELU, a scaled embedding, its own attention scale, and sliding-window
+layers with a rotary base of their own (the window is a mask on the torch path and a
+start position in the native decode-attention kernel).
 """
 
 from __future__ import annotations
@@ -96,7 +101,9 @@ class DecodeBatch:
     - ``tables``: ``[n, blocks]`` block tables of the decode sequences, cut to the blocks
       that the longest one needs.
     - ``max_ctx``: the longest decode context; ``mask``: ``[n, 1, 1, max_ctx]``,
-      a key position is inside the sequence (additive: 0 inside, ``-inf`` outside).
+      a key position is inside the sequence (additive: 0 inside, ``-inf`` outside);
+      ``window_mask``: the same for sliding-window layers (also ``-inf`` before the
+      window), ``None`` for models without them.
     - ``flat_rows``: flat token index of each decode query, ``None`` when the step is all
       decodes (rows ``0..n-1`` in order, so no gather/scatter is needed).
     """
@@ -105,25 +112,39 @@ class DecodeBatch:
     max_ctx: int
     mask: torch.Tensor
     flat_rows: torch.Tensor | None
+    window_mask: torch.Tensor | None = None
 
     @staticmethod
-    def build(inputs: StepInputs, block_size: int, dtype: torch.dtype) -> DecodeBatch | None:
+    def build(
+        inputs: StepInputs, block_size: int, dtype: torch.dtype, window: int | None = None
+    ) -> DecodeBatch | None:
         if not inputs.decode_rows:
             return None
         device = inputs.block_tables.device
         max_ctx = max(inputs.context_lens[b] for b in inputs.decode_rows)  # no device sync
         max_blocks = -(-max_ctx // block_size)
         tables = inputs.block_tables[inputs.decode_index][:, :max_blocks].contiguous()
-        inside = torch.arange(max_ctx, device=device)[None, :] < inputs.decode_context_lens[:, None]
-        # An additive float mask: SDPA would convert a boolean one in every layer.
-        mask = torch.zeros(inside.shape, dtype=dtype, device=device).masked_fill_(
-            ~inside, float("-inf")
-        )
+        keys = torch.arange(max_ctx, device=device)[None, :]
+        lens = inputs.decode_context_lens[:, None]
+        inside = keys < lens
         flat_rows = None
         if len(inputs.decode_rows) != len(inputs.context_lens):
             rows = [inputs.query_starts[b] for b in inputs.decode_rows]
             flat_rows = torch.tensor(rows, device=device)
-        return DecodeBatch(tables, max_ctx, mask[:, None, None, :], flat_rows)
+        window_mask = None
+        if window is not None:
+            window_mask = _additive(inside & (keys >= lens - window), dtype)[:, None, None, :]
+        return DecodeBatch(
+            tables, max_ctx, _additive(inside, dtype)[:, None, None, :], flat_rows, window_mask
+        )
+
+
+def _additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive float mask of a boolean one (0 where seen, ``-inf`` elsewhere): SDPA would
+    convert a boolean mask in every layer."""
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(
+        ~seen, float("-inf")
+    )
 
 
 #: The most elements a batched prefill's mask (rows x queries x keys) and each of its
@@ -146,7 +167,9 @@ class PrefillBatch:
       last token; those queries are computed and dropped).
     - ``tables``: ``[n, blocks]`` block tables, cut to the blocks ``span`` needs.
     - ``mask``: ``[n, 1, width, span]`` additive: query ``i`` of a row that follows
-      ``past`` cached tokens sees keys ``0 .. past + i`` of its own context.
+      ``past`` cached tokens sees keys ``0 .. past + i`` of its own context;
+      ``window_mask`` the same for sliding-window layers (keys after
+      ``past + i - window``), ``None`` for models without them.
     - ``picked``: the real queries' places in the padded ``[n * width]`` output, in flat
       token order; ``flat``: their flat token indices.
 
@@ -160,10 +183,15 @@ class PrefillBatch:
     mask: torch.Tensor
     picked: torch.Tensor
     flat: torch.Tensor
+    window_mask: torch.Tensor | None = None
 
     @staticmethod
     def build(
-        inputs: StepInputs, block_size: int, dtype: torch.dtype, head_elements: int
+        inputs: StepInputs,
+        block_size: int,
+        dtype: torch.dtype,
+        head_elements: int,
+        window: int | None = None,
     ) -> PrefillBatch | None:
         """The batch of ``inputs``' prefill rows (``head_elements``: query heads x head
         size); ``None`` for fewer than two, or when its mask or key copies would exceed
@@ -196,12 +224,21 @@ class PrefillBatch:
         )
         queries = torch.arange(width, device=device)[None, :, None]
         keys = torch.arange(span, device=device)[None, None, :]
-        seen = (keys <= past_t[:, None, None] + queries) & (keys < span_t[:, None, None])
-        mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(
-            ~seen, float("-inf")
-        )
+        at = past_t[:, None, None] + queries
+        seen = (keys <= at) & (keys < span_t[:, None, None])
+        window_mask = None
+        if window is not None:
+            window_mask = _additive(seen & (keys > at - window), dtype)[:, None]
         tables = inputs.block_tables[rows_t][:, : -(-span // block_size)]
-        return PrefillBatch(index_t.view(n, width), tables, span, mask[:, None], picked_t, flat_t)
+        return PrefillBatch(
+            index_t.view(n, width),
+            tables,
+            span,
+            _additive(seen, dtype)[:, None],
+            picked_t,
+            flat_t,
+            window_mask,
+        )
 
 
 #: The attention kernels a step may use on CUDA: every SDPA backend but cuDNN's, which
@@ -213,17 +250,21 @@ class PrefillBatch:
 CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def chunk_mask(qlen: int, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def chunk_mask(
+    qlen: int, past: int, dtype: torch.dtype, device: torch.device, window: int | None = None
+) -> torch.Tensor:
     """Additive causal mask ``[qlen, past + qlen]`` of a chunk after ``past`` cached tokens.
 
-    Query ``i`` (at position ``past + i``) sees keys ``0 .. past + i``: 0 there, ``-inf``
-    after. Built once per step for every layer; SDPA would convert a boolean mask each call.
+    Query ``i`` (at position ``past + i``) sees keys ``0 .. past + i`` (with a sliding
+    ``window``, only the last ``window`` of them): 0 there, ``-inf`` elsewhere. Built once
+    per step for every layer; SDPA would convert a boolean mask each call.
     """
     rows = torch.arange(qlen, device=device)[:, None] + past
     keys = torch.arange(past + qlen, device=device)[None, :]
-    return torch.zeros((qlen, past + qlen), dtype=dtype, device=device).masked_fill_(
-        keys > rows, float("-inf")
-    )
+    seen = keys <= rows
+    if window is not None:
+        seen &= keys > rows - window
+    return _additive(seen, dtype)
 
 
 def chunk_attention(
@@ -388,12 +429,18 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with Llama 3 scaling when the config asks for it."""
+def rope_inv_freq(config: ModelConfig, *, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies, with Llama 3 or linear scaling when the config asks for it;
+    ``local``: those of the sliding-window layers (``rope_local_theta``, never scaled)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    theta = config.rope_theta
+    if local and config.rope_local_theta is not None:
+        theta = config.rope_local_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if not local and config.rope_linear_factor != 1.0:
+        inv_freq = inv_freq / config.rope_linear_factor
     scaling = config.rope_scaling
-    if scaling is None:
+    if scaling is None or local:
         return inv_freq.float()
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -418,14 +465,20 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) 
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, weights: WeightSource, prefix: str) -> None:
+    """Self-attention of one layer; ``window``: its sliding window (``None``: it sees the
+    whole context)."""
+
+    def __init__(
+        self, config: ModelConfig, weights: WeightSource, prefix: str, window: int | None = None
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.scale = config.scale
+        self.window = window
         # The native decode-attention kernel (float32, float16 or int8 CPU caches), set by
         # Transformer.use_native.
         self.kernels: native.Kernels | None = None
@@ -508,6 +561,8 @@ class Attention(nn.Module):
             lo, hi = starts[b], starts[b + 1]
             qlen = hi - lo
             past = ctx - qlen
+            # A window shorter than the context needs a mask of its own (per layer).
+            window = self.window if self.window is not None and ctx > self.window else None
             mask = None
             if past == 0:
                 keys, values = k[lo:hi], v[lo:hi]
@@ -516,8 +571,10 @@ class Attention(nn.Module):
                 keys, values = kv.gather(blocks, q.dtype)
                 keys, values = keys.flatten(0, 1)[:ctx], values.flatten(0, 1)[:ctx]
                 mask = inputs.chunk_masks.get(b)
-                if mask is None:
-                    mask = chunk_mask(qlen, past, q.dtype, q.device)
+            if window is not None:
+                mask = chunk_mask(qlen, past, q.dtype, q.device, window)
+            elif past and mask is None:
+                mask = chunk_mask(qlen, past, q.dtype, q.device)
             out[lo:hi] = self._attend_chunk(q[lo:hi], keys, values, mask)
         return self.o_proj(out.view(tokens, self.q_size))
 
@@ -540,8 +597,9 @@ class Attention(nn.Module):
         keys, values = kv.gather(p.tables, q.dtype)  # [n, blocks, block_size, KV, D]
         keys = keys.flatten(1, 2)[:, : p.span].transpose(1, 2).repeat_interleave(group, dim=1)
         values = values.flatten(1, 2)[:, : p.span].transpose(1, 2).repeat_interleave(group, dim=1)
+        mask = p.mask if self.window is None else p.window_mask
         o = F.scaled_dot_product_attention(
-            q[p.index].transpose(1, 2), keys, values, attn_mask=p.mask, scale=self.scale
+            q[p.index].transpose(1, 2), keys, values, attn_mask=mask, scale=self.scale
         )  # [n, H, width, D]
         o = o.transpose(1, 2).reshape(n * width, self.num_heads, self.head_dim)
         out.index_copy_(0, p.flat, o.index_select(0, p.picked))
@@ -576,6 +634,7 @@ class Attention(nn.Module):
                 self.scale,
                 target,
                 kv.scales,
+                self.window,
             )
             if d.flat_rows is not None:
                 out[d.flat_rows] = target
@@ -589,7 +648,7 @@ class Attention(nn.Module):
             qd.reshape(n, self.num_kv_heads, group, self.head_dim),
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=d.mask,
+            attn_mask=d.mask if self.window is None else d.window_mask,
             scale=self.scale,
         )
         o = o.reshape(n, self.num_heads, self.head_dim)
@@ -600,16 +659,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The gated MLP: ``down(act(gate(x)) * up(x))``, SiLU or GELU (tanh approximation)."""
+
     def __init__(self, config: ModelConfig, weights: WeightSource, prefix: str) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
+        self.gelu = config.hidden_activation == "gelu_tanh"
         names = [f"{prefix}.mlp.gate_proj.weight", f"{prefix}.mlp.up_proj.weight"]
         self.gate_up_proj = weights.linear("gate_up_proj", names)
         self.down_proj = weights.linear("down_proj", [f"{prefix}.mlp.down_proj.weight"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
     def forward_native(self, x: torch.Tensor, kernels: native.Kernels) -> torch.Tensor:
         act = torch.empty((x.shape[0], self.intermediate))
@@ -618,16 +681,47 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One layer. Llama: ``x += attn(norm(x)); x += mlp(norm2(x))``, where
+    ``post_attention_layernorm`` is the MLP's input norm. With ``sandwich_norms`` (Gemma 3)
+    the outputs are normed too: ``x += norm2(attn(norm(x))); x += norm4(mlp(norm3(x)))``,
+    ``post_attention_layernorm`` being ``norm2``."""
+
     def __init__(self, config: ModelConfig, weights: WeightSource, i: int) -> None:
         super().__init__()
         prefix = f"model.layers.{i}"
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(weights.tensor(f"{prefix}.input_layernorm.weight"), eps)
-        self.self_attn = Attention(config, weights, prefix)
+        self.self_attn = Attention(config, weights, prefix, config.window(i))
         self.post_attention_layernorm = RMSNorm(
             weights.tensor(f"{prefix}.post_attention_layernorm.weight"), eps
         )
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(
+                weights.tensor(f"{prefix}.pre_feedforward_layernorm.weight"), eps
+            )
         self.mlp = MLP(config, weights, prefix)
+        if config.sandwich_norms:
+            self.post_feedforward_layernorm = RMSNorm(
+                weights.tensor(f"{prefix}.post_feedforward_layernorm.weight"), eps
+            )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: LayerKV,
+        inputs: StepInputs,
+    ) -> torch.Tensor:
+        """The residual stream after this layer (the torch path)."""
+        h = self.self_attn(self.input_layernorm(x), cos, sin, kv, inputs)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class Transformer(nn.Module):
@@ -639,6 +733,7 @@ class Transformer(nn.Module):
     """
 
     inv_freq: torch.Tensor
+    inv_freq_local: torch.Tensor
 
     def __init__(self, config: ModelConfig, weights: WeightSource) -> None:
         super().__init__()
@@ -656,8 +751,20 @@ class Transformer(nn.Module):
             raise ValueError(f"unused weights: {', '.join(leftover[:5])}")
         device = self.embed_tokens.device
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
-        # cos and sin of every position below the largest seen so far (see _rotary)
+        local = rope_inv_freq(config, local=True).to(device)
+        self.register_buffer("inv_freq_local", local, persistent=False)
+        # Sliding-window layers with rotary frequencies of their own (Gemma 3: another base,
+        # never scaled) take the second table.
+        self._local_rope = any(config.sliding_layers) and not torch.equal(local, self.inv_freq)
+        # The window of the sliding layers, for the per-step decode and prefill masks.
+        self._window = config.sliding_window if any(config.sliding_layers) else None
+        # The embeddings' scale as the model's dtype rounds it (Gemma 3; 1 elsewhere).
+        multiplier = torch.tensor(config.embedding_multiplier, dtype=torch.float32)
+        self._embedding_multiplier = float(multiplier.to(self.embed_tokens.dtype))
+        # cos and sin of every position below the largest seen so far (see _rotary), for
+        # the global layers and the sliding ones
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope_local: tuple[torch.Tensor, torch.Tensor] | None = None
         # The fused native layer path (float32 on the CPU), set by use_native.
         self.kernels: native.Kernels | None = None
         # All-decode steps through every layer in one native call (tests turn it off to
@@ -673,13 +780,23 @@ class Transformer(nn.Module):
         """Run float32 CPU steps with the native kernels (``None``: torch only).
 
         Decode attention always goes native then; the fused layer path (norms, rotary
-        embedding and cache writes, SiLU) too, except for models with q/k norms.
+        embedding and cache writes, SiLU) too, except for models with q/k norms (Gemma 3
+        among them): those run the torch path's elementwise ops between native linears and
+        native attention.
         """
         if kernels is not None and self.config.num_heads // self.config.num_kv_heads > 64:
             kernels = None  # the kernel keeps at most 64 query heads per KV head
         for module in self.layers:
             cast(DecoderLayer, module).self_attn.kernels = kernels
-        fused = kernels is not None and not self.config.qk_norm
+        c = self.config
+        fused = kernels is not None and not (
+            c.qk_norm
+            or c.sandwich_norms
+            or c.hidden_activation != "silu"
+            or c.embedding_multiplier != 1.0
+            or c.final_logit_softcapping is not None
+            or any(c.sliding_layers)
+        )
         self.kernels = kernels if fused and self.embed_tokens.dtype == torch.float32 else None
         self._layer_ptrs = None
 
@@ -698,30 +815,48 @@ class Transformer(nn.Module):
             if logits is not None:
                 return logits
         if inputs.decode is None and inputs.decode_rows:
-            inputs = dataclasses.replace(
-                inputs, decode=DecodeBatch.build(inputs, cache.block_size, self.embed_tokens.dtype)
+            decode = DecodeBatch.build(
+                inputs, cache.block_size, self.embed_tokens.dtype, self._window
             )
+            inputs = dataclasses.replace(inputs, decode=decode)
         on_cuda = self.embed_tokens.device.type == "cuda"
         if inputs.prefill is None and on_cuda and len(inputs.prefill_rows) > 1:
             heads = self.config.num_heads * self.config.head_dim
-            batch = PrefillBatch.build(inputs, cache.block_size, self.embed_tokens.dtype, heads)
+            batch = PrefillBatch.build(
+                inputs, cache.block_size, self.embed_tokens.dtype, heads, self._window
+            )
             inputs = dataclasses.replace(inputs, prefill=batch)
         if not inputs.chunk_masks and inputs.prefill is None:
             inputs = dataclasses.replace(inputs, chunk_masks=self._chunk_masks(inputs))
         if kernels is not None:
             return self._forward_native(inputs, cache, kernels)
         x = self.embed_tokens(inputs.input_ids)
-        cos, sin = self._rotary(inputs.positions, max(inputs.context_lens))
+        if self._embedding_multiplier != 1.0:
+            x = x * self._embedding_multiplier
+        end = max(inputs.context_lens)
+        cos, sin = self._rotary(inputs.positions, end)
         cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
+        local_cos, local_sin = cos, sin
+        if self._local_rope:
+            local_cos, local_sin = self._rotary(inputs.positions, end, local=True)
+            local_cos, local_sin = (
+                local_cos.to(x.dtype)[:, None, :],
+                local_sin.to(x.dtype)[:, None, :],
+            )
         attention = sdpa_kernel(CUDA_ATTENTION) if on_cuda else contextlib.nullcontext()
         with attention:
             for i, module in enumerate(self.layers):
                 layer = cast(DecoderLayer, module)
-                h = layer.self_attn(layer.input_layernorm(x), cos, sin, cache.layers[i], inputs)
-                x = x + h
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                if layer.self_attn.window is None:
+                    x = layer(x, cos, sin, cache.layers[i], inputs)
+                else:
+                    x = layer(x, local_cos, local_sin, cache.layers[i], inputs)
         x = self.norm(x[inputs.logit_rows])
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def _forward_native(
         self, inputs: StepInputs, cache: KVCache, kernels: native.Kernels
@@ -766,7 +901,6 @@ class Transformer(nn.Module):
                 mlp.intermediate,
                 c.rms_norm_eps,
             )
-        scale = 1.0 / math.sqrt(c.head_dim)
         kernels.decode_layers(
             ptrs,
             self._decode_dims,
@@ -777,7 +911,7 @@ class Transformer(nn.Module):
             inputs.block_tables,
             inputs.decode_context_lens,
             cache.block_size,
-            scale,
+            c.scale,
             native.kv_kind(cache.k, cache.scales),
         )
         return self._native_logits(x, inputs.logit_rows, kernels)
@@ -797,24 +931,39 @@ class Transformer(nn.Module):
         """The rotary table (``cos``, signed ``sin``, one row per position), grown now to
         hold every position below ``end``: rows of every position below the largest ``end``
         seen so far, grown by doubling. A CUDA graph keeps the table's address, so
-        :class:`~furnace_trio.runtime.cuda_graphs.DecodeGraphs` reserves the widest range first."""
-        if self._rope is None or self._rope[0].shape[0] < end:
-            size = max(end, 2 * self._rope[0].shape[0] if self._rope is not None else 256)
-            size = min(size, max(end, self.config.max_position_embeddings))
-            at = torch.arange(size, dtype=torch.float32, device=self.inv_freq.device)
-            freqs = at[:, None] * self.inv_freq[None, :]
-            sin_half = freqs.sin()
-            self._rope = (
-                torch.cat((freqs, freqs), dim=-1).cos(),
-                torch.cat((-sin_half, sin_half), dim=-1),
-            )
+        :class:`~furnace_trio.runtime.cuda_graphs.DecodeGraphs` reserves the widest range first
+        (the sliding-window layers' table, where they have one, is grown with it)."""
+        if self._local_rope:
+            self._rope_local = self._grown(self._rope_local, self.inv_freq_local, end)
+        self._rope = self._grown(self._rope, self.inv_freq, end)
         return self._rope
 
-    def _rotary(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _grown(
+        self, table: tuple[torch.Tensor, torch.Tensor] | None, inv_freq: torch.Tensor, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``table`` (of ``inv_freq``), or a new one when it has no row for ``end - 1``."""
+        if table is not None and table[0].shape[0] >= end:
+            return table
+        size = max(end, 2 * table[0].shape[0] if table is not None else 256)
+        size = min(size, max(end, self.config.max_position_embeddings))
+        at = torch.arange(size, dtype=torch.float32, device=inv_freq.device)
+        freqs = at[:, None] * inv_freq[None, :]
+        sin_half = freqs.sin()
+        return (
+            torch.cat((freqs, freqs), dim=-1).cos(),
+            torch.cat((-sin_half, sin_half), dim=-1),
+        )
+
+    def _rotary(
+        self, positions: torch.Tensor, end: int, *, local: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and ``sin`` ``[T, head_dim]`` at ``positions`` (all below ``end``), the sign
         of rotate_half folded into ``sin``: two lookups in :meth:`reserve_rotary`'s table per
-        step instead of the seven small ops that would compute them."""
+        step instead of the seven small ops that would compute them; ``local``: the
+        sliding-window layers' table."""
         cos, sin = self.reserve_rotary(end)
+        if local and self._rope_local is not None:
+            cos, sin = self._rope_local
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
     def _decode_layer_ptrs(self, cache: KVCache, kernels: native.Kernels) -> torch.Tensor | None:

@@ -35,7 +35,7 @@ class Kernels:
         self._linear.restype = None
         self._attention = lib.furnace_paged_decode_attention
         self._attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I]
-        self._attention.argtypes += [ctypes.c_float, _P]
+        self._attention.argtypes += [ctypes.c_float, _I, _P]
         self._attention.argtypes += [ctypes.c_int]
         self._attention.restype = ctypes.c_int
         self._add_rmsnorm = lib.furnace_add_rmsnorm
@@ -228,8 +228,10 @@ class Kernels:
         scale: float,
         out: torch.Tensor,
         scales: KVScales | None = None,
+        window: int | None = None,
     ) -> None:
-        """One query token per sequence over its paged keys; all contiguous.
+        """One query token per sequence over its paged keys; all contiguous. With a
+        ``window``, a sequence's query sees only its last ``window`` positions.
 
         ``q``/``out`` ``[S, H, D]`` float32, caches ``[blocks, block_size, KV, D]`` float32,
         float16, or int8 with ``scales`` ``[blocks, block_size, KV]`` float32 (a value is
@@ -252,6 +254,7 @@ class Kernels:
             d,
             block_size,
             scale,
+            window or 0,
             out.data_ptr(),
             kind,
         )
