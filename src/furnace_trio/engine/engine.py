@@ -18,7 +18,9 @@ and :meth:`Engine.abort`, which run on the same Trio thread, so there are no loc
   HTTP layer writes a chunk, once per group instead of once per token.
 - Text work runs in the consumer's task (:mod:`~furnace_trio.engine.stream`), which
   reaches the engine only through :class:`~furnace_trio.engine.stream.StreamOwner`.
-- Failure isolation: a raising ``runner.step`` fails only the requests of that plan. If the
+- Failure isolation: when ``runner.step`` raises, the step's requests run again in halves
+  on the model thread until each failing one ran alone (:mod:`~furnace_trio.engine.isolation`):
+  only those fail, and the others go on with the tokens their re-run drew. If the
   engine task itself dies (a bug), every stream gets :class:`~furnace_trio.engine.events.Failed`, :attr:`Engine.alive`
   turns false and :meth:`Engine.submit` raises :class:`EngineUnavailable`: no request
   ever hangs. :meth:`Engine.run` then returns instead of raising, because an exception
@@ -48,12 +50,13 @@ from typing import Any
 
 import trio
 
-from furnace_trio.core.plan import SampledToken, StepRunner
+from furnace_trio.core.plan import SampledToken, StepPlan, StepRunner
 from furnace_trio.engine.block_pool import BlockPool
 from furnace_trio.engine.config import EngineConfig
 from furnace_trio.engine.delivery import Outbox
 from furnace_trio.engine.errors import EngineBusy, EngineError, EngineUnavailable, check_request
 from furnace_trio.engine.events import FailureCause, GenerationRequest
+from furnace_trio.engine.isolation import StepAbandoned, isolate
 from furnace_trio.engine.kv_cache_manager import KVCacheManager
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.engine.scheduler import FinishReason, ScheduledStep, Scheduler, StepMismatch
@@ -349,15 +352,11 @@ class Engine:
             self._changed.unpark_all()
             started = trio.current_time()
             try:
-                sampled = await self._run_step(step)
-            except _WatchdogFired as exc:
+                step, sampled = await self._run(step)
+            except StepAbandoned as exc:
                 logger.error("%s; failing every request", exc)
                 self._die(str(exc))
                 return
-            except Exception as exc:
-                logger.warning("A model step failed: %r", exc, exc_info=exc)
-                self._fail_step(step, f"the model failed: {exc}")
-                continue
             try:
                 outputs = self._scheduler.update(step, sampled)
             except StepMismatch as exc:
@@ -371,7 +370,31 @@ class Engine:
                 self._metrics.decode_step_time.observe(now - started)
             self._outbox.deliver(outputs, now)
 
-    async def _run_step(self, step: ScheduledStep) -> list[SampledToken]:
+    async def _run(self, step: ScheduledStep) -> tuple[ScheduledStep, list[SampledToken]]:
+        """Run ``step``; if it raises, find the requests that make it raise and fail only
+        them (:func:`~furnace_trio.engine.isolation.isolate`). The step that ran and its
+        tokens: ``step`` itself, or the part of it whose requests did not fail."""
+        try:
+            return step, await self._run_step(step.plan)
+        except StepAbandoned:
+            raise
+        except Exception as exc:
+            error = exc
+        logger.warning(
+            "A model step of %d requests failed (%r); running them again apart",
+            len(set(step.request_ids)),
+            error,
+        )
+        isolated = await isolate(step.plan, self._scheduler.request_of, self._run_step, error)
+        for request_id, failure in isolated.failures.items():
+            logger.warning(
+                "Request %s fails the model step: %r", request_id, failure, exc_info=failure
+            )
+            self._scheduler.abort(request_id)
+            self._fail_request(request_id, f"the model failed: {failure}")
+        return self._scheduler.narrow(step, isolated.plan), isolated.sampled
+
+    async def _run_step(self, plan: StepPlan) -> list[SampledToken]:
         """Run the model step on the model thread under the watchdog.
 
         The scope is shielded, so only its own deadline (the watchdog) cancels it: an
@@ -381,8 +404,8 @@ class Engine:
         timeout = self.config.step_timeout_s
         deadline = math.inf if timeout is None else trio.current_time() + timeout
         with trio.CancelScope(deadline=deadline, shield=True):
-            return await self._model_thread.run(self._runner.step, step.plan)
-        raise _WatchdogFired(f"a model step ran past the watchdog of {timeout} s")
+            return await self._model_thread.run(self._runner.step, plan)
+        raise StepAbandoned(f"a model step ran past the watchdog of {timeout} s")
 
     def _fail_step(self, step: ScheduledStep, message: str) -> None:
         for request_id in self._scheduler.fail(step):
@@ -410,7 +433,3 @@ class Engine:
             except Exception:
                 logger.exception("Failing request %s failed", request_id)
         self._outbox.close_all()
-
-
-class _WatchdogFired(Exception):
-    """A model step ran past ``step_timeout_s``."""
