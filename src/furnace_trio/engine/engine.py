@@ -63,6 +63,7 @@ from furnace_trio.engine.scheduler import FinishReason, ScheduledStep, Scheduler
 from furnace_trio.engine.session_turns import SessionTurns
 from furnace_trio.engine.sessions import Session, SessionReply, SessionStore, Turn
 from furnace_trio.engine.stats import EngineMetrics, EngineStatistics
+from furnace_trio.engine.status import EngineStatus, StepRate, request_status
 from furnace_trio.engine.stream import RequestStream, TokenText
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class Engine:
         self._state = _State.NEW
         self._failure: str | None = None
         self._metrics = EngineMetrics()
+        self._steps = StepRate()
         # Tasks in wait_statistics, woken after every change that statistics() shows.
         self._changed = trio.lowlevel.ParkingLot()
         self._outbox = Outbox(
@@ -183,6 +185,8 @@ class Engine:
         """Drop a request in any state, freeing its KV blocks now; end its session turn
         uncommitted if it has one. Idempotent."""
         if self._outbox.close(request_id):
+            if self._scheduler.is_waiting(request_id):
+                self._metrics.cancelled_before_admission += 1
             self._scheduler.abort(request_id)
             self._metrics.count("aborted")
         self._turns.end_for(request_id)
@@ -282,6 +286,43 @@ class Engine:
                 return stats
             await self._changed.park()
 
+    def kv_blocks(self) -> tuple[int, int]:
+        """KV blocks (in use, in the pool) now: the cheap part of :meth:`statistics`."""
+        return self._pool.num_used, self._pool.num_blocks
+
+    def status(self) -> EngineStatus:
+        """Every request in flight (running ones in admission order, then the queue) with its
+        phase and KV, and the engine's KV and step rate: a frozen snapshot of now, for an
+        operator (``GET /status``). Never awaits."""
+        now = trio.current_time()
+        scheduler = self._scheduler
+        requests = tuple(
+            request_status(
+                group,
+                submitted_at=self._outbox.submitted_at(group.request_id),
+                now=now,
+                session_id=self._turns.session_of(group.request_id),
+            )
+            for group in (*scheduler.running.values(), *scheduler.waiting)
+        )
+        pool = self._pool
+        return EngineStatus(
+            state=self._state.value,
+            alive=self.alive,
+            running=scheduler.num_running,
+            waiting=scheduler.num_waiting,
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_used=pool.num_used,
+            kv_blocks_free=pool.num_free,
+            kv_blocks_reserved=self._kv.num_reserved,
+            kv_blocks_pinned=self.sessions.pinned_blocks,
+            kv_blocks_cached=pool.num_unreferenced_cached,
+            sessions=len(self.sessions),
+            steps_total=self._steps.total,
+            step_rate=self._steps.rate(now),
+            requests=requests,
+        )
+
     def statistics(self) -> EngineStatistics:
         pool = self._pool
         return self._metrics.snapshot(
@@ -295,10 +336,12 @@ class Engine:
             sessions=len(self.sessions),
             session_pinned_blocks=self.sessions.pinned_blocks,
             kv_blocks_cached=pool.num_unreferenced_cached,
+            kv_blocks_reserved=self._kv.num_reserved,
             kv_blocks_evicted=pool.evictions,
             kv_block_refs=pool.num_references,
             requests_in_flight=len(self._outbox),
             turns_open=len(self._turns),
+            steps_total=self._steps.total,
         )
 
     # -- submission -----------------------------------------------------------------------
@@ -364,6 +407,7 @@ class Engine:
                 self._fail_step(step, f"the model failed: {exc}")
                 continue
             now = trio.current_time()
+            self._steps.record(now)
             if step.num_prefill_tokens:
                 self._metrics.prefill_step_time.observe(now - started)
             else:

@@ -159,6 +159,10 @@ class Scheduler:
         """Worst-case KV blocks of a request: what admission reserves."""
         return self.kv.blocks_needed(num_prompt_tokens, params)
 
+    def is_waiting(self, request_id: str) -> bool:
+        """Queued, not yet admitted."""
+        return request_id in self._waiting_ids
+
     def contains(self, request_id: str) -> bool:
         return request_id in self.running or request_id in self._waiting_ids
 

@@ -101,10 +101,14 @@ class EngineStatistics:
     sessions: int = 0
     session_pinned_blocks: int = 0
     kv_blocks_cached: int = 0  # unreferenced prefix-cache blocks (evictable)
+    kv_blocks_reserved: int = 0  # set aside for admitted requests, not yet allocated
     kv_blocks_evicted_total: int = 0  # cached blocks handed out again for new KV
     kv_block_refs: int = 0  # references held on blocks (a shared block counts per owner)
     requests_in_flight: int = 0  # accepted, not yet finished, failed or aborted
     turns_open: int = 0  # session turns whose request has not ended
+    #: Aborted while queued: the client left before admission (the log's 499s among them).
+    requests_cancelled_before_admission_total: int = 0
+    steps_total: int = 0  # model steps run (a failed step and its re-runs count once)
 
     @property
     def idle(self) -> bool:
@@ -140,6 +144,7 @@ class EngineMetrics:
     queue_time: Histogram = field(default_factory=Histogram)
     prefill_step_time: Histogram = field(default_factory=Histogram)
     decode_step_time: Histogram = field(default_factory=Histogram)
+    cancelled_before_admission: int = 0
 
     def count(self, outcome: str) -> None:
         if outcome not in self.outcomes:
@@ -159,10 +164,12 @@ class EngineMetrics:
         sessions: int = 0,
         session_pinned_blocks: int = 0,
         kv_blocks_cached: int = 0,
+        kv_blocks_reserved: int = 0,
         kv_blocks_evicted: int = 0,
         kv_block_refs: int = 0,
         requests_in_flight: int = 0,
         turns_open: int = 0,
+        steps_total: int = 0,
     ) -> EngineStatistics:
         return EngineStatistics(
             running=running,
@@ -184,8 +191,11 @@ class EngineMetrics:
             sessions=sessions,
             session_pinned_blocks=session_pinned_blocks,
             kv_blocks_cached=kv_blocks_cached,
+            kv_blocks_reserved=kv_blocks_reserved,
             kv_blocks_evicted_total=kv_blocks_evicted,
             kv_block_refs=kv_block_refs,
             requests_in_flight=requests_in_flight,
             turns_open=turns_open,
+            requests_cancelled_before_admission_total=self.cancelled_before_admission,
+            steps_total=steps_total,
         )
