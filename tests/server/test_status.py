@@ -156,3 +156,22 @@ async def test_a_client_gone_before_admission_is_counted_in_metrics(caplog: Any)
     assert f"context={prompt_tokens + generated}/{served.runner.max_context} " in done[0]
     total = served.engine.statistics().kv_blocks_total
     assert f"kv=0/{total} blocks (0%)" in done[0]  # logged after its blocks were freed
+
+
+async def test_status_names_the_session_of_a_turn() -> None:
+    gate = threading.Event()
+    runner = scripted.ScriptedRunner(default_script, gate=gate)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "session_id": "status-s1"}
+    async with (
+        serve_scripted(runner) as served,
+        httpx.AsyncClient(base_url=served.url, timeout=30) as http,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(functools.partial(http.post, "/v1/chat/completions", json=chat))
+        await engine_reaches(served.engine, lambda s: s.running == 1)
+        body = (await http.get("/status")).json()
+        _check_schema(body)
+        (turn,) = body["requests"]
+        assert turn["session_id"] == "status-s1" and turn["phase"] == "prefill"
+        gate.set()
+        await served.wait_idle(sessions_may_hold=True)
