@@ -63,8 +63,11 @@ async def check_paris_streamed_and_not(client: openai.AsyncOpenAI, model: str) -
 
 
 @asynccontextmanager
-async def serve_real(**config: Any) -> AsyncIterator[tuple[str, Engine]]:
-    """The whole stack over the default model on a real socket; yields (url, engine)."""
+async def serve_real(
+    engine_config: EngineConfig | None = None, **config: Any
+) -> AsyncIterator[tuple[str, Engine]]:
+    """The whole stack over the default model on a real socket; yields (url, engine).
+    ``config`` are :class:`ServerConfig` fields."""
     from .http_server import serve_app
 
     model = default_model()
@@ -78,7 +81,7 @@ async def serve_real(**config: Any) -> AsyncIterator[tuple[str, Engine]]:
             eos_token_ids=model.tokenizer.eos_token_ids,
             token_bytes=model.tokenizer.token_to_bytes,
             decode_table=model.tokenizer.decode_table(),
-            config=EngineConfig(max_running=8, max_step_tokens=256),
+            config=engine_config or EngineConfig(max_running=8, max_step_tokens=256),
         )
         engines.append(engine)
         return Backend(engine, model.tokenizer, NAME, runner.max_context)

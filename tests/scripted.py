@@ -61,7 +61,8 @@ class ScriptedRunner:
     ``script`` maps a prompt to its output tokens (every sample alike), or is a function
     ``(prompt, sample_index) -> tokens``; past the script's end (or for an unknown prompt)
     the runner emits :data:`FILLER`. Every plan is recorded in :attr:`plans`. ``fail_on``
-    holds step numbers (0-based) that raise; ``fail_when(plan)`` may decide too.
+    holds step numbers (0-based) that raise; ``fail_when(plan)`` may decide too. A step
+    raises after writing its chunks to the cache, as a failure in sampling would.
     ``sleep`` makes each step call ``time.sleep(sleep)`` (0 yields the GIL, like a kernel).
     """
 
@@ -116,8 +117,6 @@ class ScriptedRunner:
             self.gate.wait(timeout=10)
         if self.sleep is not None:
             time.sleep(self.sleep)
-        if number in self.fail_on or (self.fail_when is not None and self.fail_when(plan)):
-            raise RuntimeError(f"scripted failure at step {number}")
         bs = self._block_size
         for src, dst in plan.block_copies:
             self.kv[dst] = list(self.kv[src])
@@ -125,11 +124,14 @@ class ScriptedRunner:
             for offset, token in enumerate(chunk.token_ids):
                 pos = chunk.start_pos + offset
                 self.kv[chunk.block_table[pos // bs]][pos % bs] = token
+        # A failure after the cache was written, as one in sampling would be.
+        if number in self.fail_on or (self.fail_when is not None and self.fail_when(plan)):
+            raise RuntimeError(f"scripted failure at step {number}")
         out: list[SampledToken] = []
         for chunk in plan.chunks:
-            self.scores.setdefault(chunk.seq_id, []).extend(
-                prompt_score(chunk.seq_id, t, chunk.score_top) for t in chunk.score_ids
-            )
+            scores = self.scores.setdefault(chunk.seq_id, [])
+            del scores[chunk.start_pos :]  # a chunk run again (after a failed step)
+            scores.extend(prompt_score(chunk.seq_id, t, chunk.score_top) for t in chunk.score_ids)
             end = chunk.start_pos + len(chunk.token_ids)
             context = [chunk_token(self.kv, chunk.block_table, p, bs) for p in range(end)]
             for i, spec in enumerate(chunk.samples):

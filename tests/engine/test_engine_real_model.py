@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 import trio
@@ -13,6 +15,7 @@ from furnace_trio.engine import (
     Delta,
     Engine,
     EngineConfig,
+    Failed,
     Finished,
     GenerationRequest,
 )
@@ -131,3 +134,74 @@ async def test_greedy_answer_through_the_engine_says_paris(table: bool) -> None:
     assert "Paris" in out["text"]
     assert out["text"] == model.tokenizer.decode(out["tokens"])
     assert out["finish"].reason == "stop"
+
+
+class _BrokenGrammar:
+    """A grammar constraint whose matcher fails at the request's third token, in the
+    sampler, as a broken grammar library would (no request the HTTP API accepts makes
+    the real sampler raise: out-of-vocabulary ids, grammar dead ends and degenerate
+    temperatures are refused, lifted or sampled)."""
+
+    def allowed(self, seq_id: int, output_token_ids: Sequence[int]) -> None:
+        if len(output_token_ids) >= 2:
+            raise RuntimeError("the grammar matcher failed")
+
+
+async def test_a_request_failing_in_sampling_fails_alone_with_the_others_unchanged() -> None:
+    """Greedy, seeded and ``n = 2`` requests decode beside one whose sampling raises: it
+    fails, and the others' tokens are those of a run without it (the real runner writes
+    the failed step's keys and values again, and draws again from the seeded
+    generators, which the failed step never reached)."""
+    model = default_model()
+    engine = Engine(
+        default_runner(),
+        decode=model.tokenizer.decode,
+        eos_token_ids=model.tokenizer.eos_token_ids,
+        config=EngineConfig(max_running=8, max_step_tokens=256, prefix_cache=False),
+    )
+    good = [
+        (PROMPTS[0], SamplingParams(temperature=0, max_tokens=10)),
+        (PROMPTS[1], SamplingParams(temperature=0.9, seed=7, max_tokens=10)),
+        (PROMPTS[2], SamplingParams(temperature=0.9, seed=11, max_tokens=10, n=2)),
+    ]
+    bad = (PROMPTS[3], SamplingParams(temperature=0, max_tokens=10, constraint=_BrokenGrammar()))
+
+    async def run_all(requests: list[tuple[str, SamplingParams]]) -> list[dict]:
+        results: dict[int, dict] = {}
+
+        async def one(i: int, text: str, params: SamplingParams) -> None:
+            results[i] = await _collect_all(engine, _chat_ids(text), params)
+
+        async with trio.open_nursery() as clients:
+            for i, (text, params) in enumerate(requests):
+                clients.start_soon(one, i, text, params)
+        return [results[i] for i in range(len(requests))]
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        alone = await run_all(good)
+        together = await run_all([good[0], bad, good[1], good[2]])
+        stats = engine.statistics()
+        assert engine.alive
+        engine.shutdown()
+        nursery.cancel_scope.cancel()
+    failed = together.pop(1)
+    assert failed["failed"] is not None and "grammar matcher failed" in failed["failed"].message
+    assert len(failed["tokens"][0]) == 2  # what it drew before its third token failed
+    assert together == alone
+    assert all(r["failed"] is None and len(r["finish"]) == len(r["tokens"]) for r in alone)
+    assert stats.requests["failed"] == 1 and stats.kv_blocks_used == 0
+
+
+async def _collect_all(engine: Engine, prompt: tuple[int, ...], params: SamplingParams) -> dict:
+    """Every sample's tokens, finish reasons and a failure, without timings."""
+    out: dict = {"tokens": {}, "finish": {}, "failed": None}
+    async with engine.submit(GenerationRequest(prompt, params)) as stream:
+        async for event in stream:
+            if isinstance(event, Delta):
+                out["tokens"].setdefault(event.index, []).extend(event.token_ids)
+            elif isinstance(event, Finished):
+                out["finish"][event.index] = event.reason
+            elif isinstance(event, Failed):
+                out["failed"] = event
+    return out

@@ -711,3 +711,26 @@ def test_gemma3_takes_the_per_op_path_with_native_attention(tmp_path: Path) -> N
     assert runner.model.kernels is None  # no fused layer path
     windows = [layer.self_attn.window for layer in runner.model.layers]
     assert windows == [GEMMA3_WINDOW] * 5 + [None]
+
+
+def test_a_scored_chunk_run_again_keeps_one_score_per_position(tmp_path: Path) -> None:
+    """The engine runs a failed step's chunks again (engine/isolation.py): a scored
+    prompt's chunk run twice leaves the scores of one run, not two."""
+    runner = _runner(write_tiny_model(tmp_path, "llama", tied=False))
+    ids = tuple(range(1, 11))
+    first = ChunkPlan(3, ids[:6], 0, _table(0), score_ids=ids[1:7], score_top=1)
+    runner.step(StepPlan((first,)))
+    runner.step(StepPlan((first,)))  # the step failed after scoring; it runs again
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    last = ChunkPlan(
+        3,
+        ids[6:],
+        6,
+        _table(0),
+        samples=(SampleSpec(3, params, ids, ()),),
+        score_ids=ids[7:],
+        score_top=1,
+    )
+    (token,) = runner.step(StepPlan((last,)))
+    assert token.prompt_logprobs is not None
+    assert [s.token_id for s in token.prompt_logprobs] == list(ids[1:])

@@ -12,7 +12,10 @@ def test_render_metrics_has_every_family() -> None:
     metrics.time_to_first_token.observe(100.0)
     metrics.count("finished_stop")
     metrics.prompt_tokens_total = 12
-    stats = metrics.snapshot(running=2, waiting=1, kv_used=3, kv_total=12, alive=True)
+    metrics.cancelled_before_admission = 4
+    stats = metrics.snapshot(
+        running=2, waiting=1, kv_used=3, kv_total=12, alive=True, kv_blocks_reserved=5
+    )
     text = render_metrics(stats, {200: 5, 400: 1}, engine_up=True)
     lines = set(text.splitlines())
     assert "furnace_engine_up 1" in lines
@@ -20,6 +23,8 @@ def test_render_metrics_has_every_family() -> None:
     assert "furnace_requests_waiting 1" in lines
     assert "furnace_kv_blocks_used 3" in lines
     assert "furnace_kv_cache_usage_ratio 0.25" in lines
+    assert "furnace_kv_blocks_reserved 5" in lines
+    assert "furnace_requests_cancelled_before_admission_total 4" in lines
     assert 'furnace_requests_total{outcome="finished_stop"} 1' in lines
     assert 'furnace_requests_total{outcome="aborted"} 0' in lines
     assert "furnace_prompt_tokens_total 12" in lines

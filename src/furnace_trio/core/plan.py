@@ -69,7 +69,7 @@ class StepPlan:
     Order of execution: ``block_copies`` (src, dst) are copied first (copy-on-write of a
     shared partial block), then every chunk's tokens are written to the cache and attended
     in one batched forward pass, then the samples are drawn. ``released`` seq ids drop
-    their per-sequence sampler state.
+    their per-sequence sampler state (a seq id released again, or never seen, is a no-op).
     """
 
     chunks: tuple[ChunkPlan, ...]
@@ -103,8 +103,12 @@ class SampledToken:
 class StepRunner(Protocol):
     """What the engine needs of a model: the real runner, or a scripted one in tests.
 
-    ``step`` blocks (it runs on a worker thread) and may raise: the engine then fails only
-    the requests in that plan.
+    ``step`` blocks (it runs on a worker thread) and may raise. The engine then runs the
+    plan's chunks again in smaller plans (without its block copies and releases, which
+    run first in a plan of no chunks) until it knows which requests make it raise, and
+    fails only those. So a step must be safe to run again with a subset of its chunks:
+    writing a chunk's keys and values again is, and what the runner keeps per sequence
+    (prompt scores, a grammar's matcher) must not count a chunk twice.
     """
 
     @property

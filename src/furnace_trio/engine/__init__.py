@@ -29,6 +29,7 @@ from furnace_trio.engine.events import (
     TopLogprob,
 )
 from furnace_trio.engine.stats import EngineStatistics
+from furnace_trio.engine.status import EngineStatus, RequestPhase, RequestStatus
 from furnace_trio.engine.stream import RequestStream
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "EngineStatistics",
+    "EngineStatus",
     "EngineUnavailable",
     "Event",
     "Failed",
@@ -46,7 +48,9 @@ __all__ = [
     "Finished",
     "GenerationRequest",
     "LogprobEntry",
+    "RequestPhase",
     "RequestRejected",
+    "RequestStatus",
     "RequestStream",
     "RequestTooLarge",
     "TopLogprob",

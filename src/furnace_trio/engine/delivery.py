@@ -154,6 +154,11 @@ class Outbox:
             if output.finish is not None:
                 self._finish(request, output.index, output.finish)
 
+    def submitted_at(self, request_id: str) -> float | None:
+        """When an open request was accepted (``trio.current_time()``)."""
+        request = self._requests.get(request_id)
+        return None if request is None else request.submitted_at
+
     def sample_open(self, request_id: str, index: int) -> bool:
         """Whether sample ``index`` of ``request_id`` is still going."""
         request = self._requests.get(request_id)

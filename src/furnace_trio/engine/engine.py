@@ -20,7 +20,9 @@ and :meth:`Engine.abort`, which run on the same Trio thread, so there are no loc
   HTTP layer writes a chunk, once per group instead of once per token.
 - Text work runs in the consumer's task (:mod:`~furnace_trio.engine.stream`), which
   reaches the engine only through :class:`~furnace_trio.engine.stream.StreamOwner`.
-- Failure isolation: a raising ``runner.step`` fails only the requests of that plan. If the
+- Failure isolation: when ``runner.step`` raises, the step's requests run again in halves
+  on the model thread until each failing one ran alone (:mod:`~furnace_trio.engine.isolation`):
+  only those fail, and the others go on with the tokens their re-run drew. If the
   engine task itself dies (a bug), every stream gets :class:`~furnace_trio.engine.events.Failed`, :attr:`Engine.alive`
   turns false and :meth:`Engine.submit` raises :class:`EngineUnavailable`: no request
   ever hangs. :meth:`Engine.run` then returns instead of raising, because an exception
@@ -50,19 +52,21 @@ from typing import Any
 
 import trio
 
-from furnace_trio.core.plan import SampledToken, StepRunner
+from furnace_trio.core.plan import SampledToken, StepPlan, StepRunner
 from furnace_trio.engine.backlog import Backlog
 from furnace_trio.engine.block_pool import BlockPool
 from furnace_trio.engine.config import EngineConfig
 from furnace_trio.engine.delivery import Outbox
 from furnace_trio.engine.errors import EngineBusy, EngineError, EngineUnavailable, check_request
 from furnace_trio.engine.events import FailureCause, GenerationRequest
+from furnace_trio.engine.isolation import StepAbandoned, isolate
 from furnace_trio.engine.kv_cache_manager import KVCacheManager
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.engine.scheduler import FinishReason, ScheduledStep, Scheduler, StepMismatch
 from furnace_trio.engine.session_turns import SessionTurns
 from furnace_trio.engine.sessions import Session, SessionReply, SessionStore, Turn
 from furnace_trio.engine.stats import EngineMetrics, EngineStatistics
+from furnace_trio.engine.status import EngineStatus, StepRate, request_status
 from furnace_trio.engine.stream import RequestStream, TokenText
 
 logger = logging.getLogger(__name__)
@@ -126,6 +130,7 @@ class Engine:
         self._state = _State.NEW
         self._failure: str | None = None
         self._metrics = EngineMetrics()
+        self._steps = StepRate()
         # Tasks in wait_statistics, woken after every change that statistics() shows.
         self._changed = trio.lowlevel.ParkingLot()
         self._outbox = Outbox(
@@ -184,6 +189,8 @@ class Engine:
         """Drop a request in any state, freeing its KV blocks now; end its session turn
         uncommitted if it has one. Idempotent."""
         if self._outbox.close(request_id):
+            if self._scheduler.is_waiting(request_id):
+                self._metrics.cancelled_before_admission += 1
             self._scheduler.abort(request_id)
             self._metrics.count("aborted")
         self._turns.end_for(request_id)
@@ -291,6 +298,43 @@ class Engine:
                 return stats
             await self._changed.park()
 
+    def kv_blocks(self) -> tuple[int, int]:
+        """KV blocks (in use, in the pool) now: the cheap part of :meth:`statistics`."""
+        return self._pool.num_used, self._pool.num_blocks
+
+    def status(self) -> EngineStatus:
+        """Every request in flight (running ones in admission order, then the queue) with its
+        phase and KV, and the engine's KV and step rate: a frozen snapshot of now, for an
+        operator (``GET /status``). Never awaits."""
+        now = trio.current_time()
+        scheduler = self._scheduler
+        requests = tuple(
+            request_status(
+                group,
+                submitted_at=self._outbox.submitted_at(group.request_id),
+                now=now,
+                session_id=self._turns.session_of(group.request_id),
+            )
+            for group in (*scheduler.running.values(), *scheduler.waiting)
+        )
+        pool = self._pool
+        return EngineStatus(
+            state=self._state.value,
+            alive=self.alive,
+            running=scheduler.num_running,
+            waiting=scheduler.num_waiting,
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_used=pool.num_used,
+            kv_blocks_free=pool.num_free,
+            kv_blocks_reserved=self._kv.num_reserved,
+            kv_blocks_pinned=self.sessions.pinned_blocks,
+            kv_blocks_cached=pool.num_unreferenced_cached,
+            sessions=len(self.sessions),
+            steps_total=self._steps.total,
+            step_rate=self._steps.rate(now),
+            requests=requests,
+        )
+
     def statistics(self) -> EngineStatistics:
         pool = self._pool
         return self._metrics.snapshot(
@@ -304,11 +348,13 @@ class Engine:
             sessions=len(self.sessions),
             session_pinned_blocks=self.sessions.pinned_blocks,
             kv_blocks_cached=pool.num_unreferenced_cached,
+            kv_blocks_reserved=self._kv.num_reserved,
             kv_blocks_evicted=pool.evictions,
             kv_block_refs=pool.num_references,
             requests_in_flight=len(self._outbox),
             turns_open=len(self._turns),
             requests_paused=self._scheduler.num_paused,
+            steps_total=self._steps.total,
         )
 
     # -- submission -----------------------------------------------------------------------
@@ -365,15 +411,11 @@ class Engine:
             self._changed.unpark_all()
             started = trio.current_time()
             try:
-                sampled = await self._run_step(step)
-            except _WatchdogFired as exc:
+                step, sampled = await self._run(step)
+            except StepAbandoned as exc:
                 logger.error("%s; failing every request", exc)
                 self._die(str(exc))
                 return
-            except Exception as exc:
-                logger.warning("A model step failed: %r", exc, exc_info=exc)
-                self._fail_step(step, f"the model failed: {exc}")
-                continue
             try:
                 outputs = self._scheduler.update(step, sampled)
             except StepMismatch as exc:
@@ -381,13 +423,38 @@ class Engine:
                 self._fail_step(step, f"the model failed: {exc}")
                 continue
             now = trio.current_time()
+            self._steps.record(now)
             if step.num_prefill_tokens:
                 self._metrics.prefill_step_time.observe(now - started)
             else:
                 self._metrics.decode_step_time.observe(now - started)
             self._outbox.deliver(outputs, now)
 
-    async def _run_step(self, step: ScheduledStep) -> list[SampledToken]:
+    async def _run(self, step: ScheduledStep) -> tuple[ScheduledStep, list[SampledToken]]:
+        """Run ``step``; if it raises, find the requests that make it raise and fail only
+        them (:func:`~furnace_trio.engine.isolation.isolate`). The step that ran and its
+        tokens: ``step`` itself, or the part of it whose requests did not fail."""
+        try:
+            return step, await self._run_step(step.plan)
+        except StepAbandoned:
+            raise
+        except Exception as exc:
+            error = exc
+        logger.warning(
+            "A model step of %d requests failed (%r); running them again apart",
+            len(set(step.request_ids)),
+            error,
+        )
+        isolated = await isolate(step.plan, self._scheduler.request_of, self._run_step, error)
+        for request_id, failure in isolated.failures.items():
+            logger.warning(
+                "Request %s fails the model step: %r", request_id, failure, exc_info=failure
+            )
+            self._scheduler.abort(request_id)
+            self._fail_request(request_id, f"the model failed: {failure}")
+        return self._scheduler.narrow(step, isolated.plan), isolated.sampled
+
+    async def _run_step(self, plan: StepPlan) -> list[SampledToken]:
         """Run the model step on the model thread under the watchdog.
 
         The scope is shielded, so only its own deadline (the watchdog) cancels it: an
@@ -397,8 +464,8 @@ class Engine:
         timeout = self.config.step_timeout_s
         deadline = math.inf if timeout is None else trio.current_time() + timeout
         with trio.CancelScope(deadline=deadline, shield=True):
-            return await self._model_thread.run(self._runner.step, step.plan)
-        raise _WatchdogFired(f"a model step ran past the watchdog of {timeout} s")
+            return await self._model_thread.run(self._runner.step, plan)
+        raise StepAbandoned(f"a model step ran past the watchdog of {timeout} s")
 
     def _pause(self, request_id: str) -> None:
         """Its stream holds more than ``max_response_bytes`` unsent: no steps until
@@ -433,7 +500,3 @@ class Engine:
             except Exception:
                 logger.exception("Failing request %s failed", request_id)
         self._outbox.close_all()
-
-
-class _WatchdogFired(Exception):
-    """A model step ran past ``step_timeout_s``."""

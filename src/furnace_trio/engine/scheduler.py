@@ -168,6 +168,10 @@ class Scheduler:
         """Worst-case KV blocks of a request: what admission reserves."""
         return self.kv.blocks_needed(num_prompt_tokens, params)
 
+    def is_waiting(self, request_id: str) -> bool:
+        """Queued, not yet admitted."""
+        return request_id in self._waiting_ids
+
     def contains(self, request_id: str) -> bool:
         return request_id in self.running or request_id in self._waiting_ids
 
@@ -366,6 +370,21 @@ class Scheduler:
             self._drop_seq(seq)
             group.prefill = None
         return outputs
+
+    def request_of(self, seq_id: int) -> str | None:
+        """The request of a running sequence; ``None`` once it is gone."""
+        seq = self._seqs.get(seq_id)
+        return None if seq is None else seq.group.request_id
+
+    def narrow(self, step: ScheduledStep, plan: StepPlan) -> ScheduledStep:
+        """``step`` cut down to ``plan``, a subset of its chunks that ran after ``step``
+        raised (see :mod:`~furnace_trio.engine.isolation`), for :meth:`update`. The step's
+        releases go out again with the next plan: the re-runs may not have delivered them,
+        and a release is idempotent."""
+        self._released.extend(step.plan.released)
+        kept = {self.request_of(chunk.seq_id) for chunk in plan.chunks}
+        request_ids = tuple(rid for rid in step.request_ids if rid in kept)
+        return dataclasses.replace(step, plan=plan, request_ids=request_ids)
 
     def fail(self, step: ScheduledStep) -> list[str]:
         """Drop every request of a failed step; their ids. The step's releases still count."""

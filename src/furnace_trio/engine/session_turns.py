@@ -56,6 +56,11 @@ class SessionTurns:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._runs
 
+    def session_of(self, request_id: str) -> str | None:
+        """The session whose turn ``request_id`` runs, if any."""
+        run = self._runs.get(request_id)
+        return None if run is None else run.turn.session.session_id
+
     def begin(self, session_id: str, owner: str, new_messages: Sequence[Mapping[str, Any]]) -> Turn:
         """Start a session turn (creating the session); raises ``SessionBusy``,
         ``SessionNotFound`` or ``ValueError``. The caller must :meth:`end` it."""

@@ -101,12 +101,16 @@ class EngineStatistics:
     sessions: int = 0
     session_pinned_blocks: int = 0
     kv_blocks_cached: int = 0  # unreferenced prefix-cache blocks (evictable)
+    kv_blocks_reserved: int = 0  # set aside for admitted requests, not yet allocated
     kv_blocks_evicted_total: int = 0  # cached blocks handed out again for new KV
     kv_block_refs: int = 0  # references held on blocks (a shared block counts per owner)
     requests_in_flight: int = 0  # accepted, not yet finished, failed or aborted
     turns_open: int = 0  # session turns whose request has not ended
     requests_paused: int = 0  # running requests waiting for their client to read
     pauses_total: int = 0  # times a request paused so (see engine/backlog.py)
+    #: Aborted while queued: the client left before admission (the log's 499s among them).
+    requests_cancelled_before_admission_total: int = 0
+    steps_total: int = 0  # model steps run (a failed step and its re-runs count once)
 
     @property
     def idle(self) -> bool:
@@ -143,6 +147,7 @@ class EngineMetrics:
     prefill_step_time: Histogram = field(default_factory=Histogram)
     decode_step_time: Histogram = field(default_factory=Histogram)
     pauses_total: int = 0
+    cancelled_before_admission: int = 0
 
     def count(self, outcome: str) -> None:
         if outcome not in self.outcomes:
@@ -162,11 +167,13 @@ class EngineMetrics:
         sessions: int = 0,
         session_pinned_blocks: int = 0,
         kv_blocks_cached: int = 0,
+        kv_blocks_reserved: int = 0,
         kv_blocks_evicted: int = 0,
         kv_block_refs: int = 0,
         requests_in_flight: int = 0,
         turns_open: int = 0,
         requests_paused: int = 0,
+        steps_total: int = 0,
     ) -> EngineStatistics:
         return EngineStatistics(
             running=running,
@@ -188,10 +195,13 @@ class EngineMetrics:
             sessions=sessions,
             session_pinned_blocks=session_pinned_blocks,
             kv_blocks_cached=kv_blocks_cached,
+            kv_blocks_reserved=kv_blocks_reserved,
             kv_blocks_evicted_total=kv_blocks_evicted,
             kv_block_refs=kv_block_refs,
             requests_in_flight=requests_in_flight,
             turns_open=turns_open,
             requests_paused=requests_paused,
             pauses_total=self.pauses_total,
+            requests_cancelled_before_admission_total=self.cancelled_before_admission,
+            steps_total=steps_total,
         )

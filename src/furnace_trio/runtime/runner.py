@@ -265,6 +265,9 @@ class ModelRunner:
         float32 copies stay small (a 4,096-token chunk over a 150,000-token vocabulary
         would take gigabytes at once)."""
         kept = self._prompt_scores.setdefault(chunk.seq_id, [])
+        # A scored prompt is computed whole, so ``start_pos`` scores precede this chunk's;
+        # more are a failed step's, whose chunks the engine runs again.
+        del kept[chunk.start_pos :]
         for at in range(0, len(chunk.score_ids), SCORE_ROWS):
             score_ids = chunk.score_ids[at : at + SCORE_ROWS]
             ids = torch.tensor(score_ids, device=logits.device)

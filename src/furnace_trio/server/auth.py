@@ -18,12 +18,24 @@ from furnace_trio.server.state import ServerState
 
 def check_api_key(state: ServerState) -> None:
     cfg = state.config
-    if cfg is None or cfg.api_key is None:
-        return
+    if cfg is not None and cfg.api_key is not None:
+        _check_bearer(cfg.api_key)
+
+
+def check_admin_key(state: ServerState) -> None:
+    """The operator's routes (``/status``): the admin key when the server has one, else
+    the API key, else open like every other route."""
+    cfg = state.config
+    key = None if cfg is None else cfg.admin_key or cfg.api_key
+    if key is not None:
+        _check_bearer(key)
+
+
+def _check_bearer(key: str) -> None:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     given = token.strip() if scheme.lower() == "bearer" else ""
-    if not hmac.compare_digest(given.encode(), cfg.api_key.encode()):
+    if not hmac.compare_digest(given.encode(), key.encode()):
         raise APIError(
             401,
             "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",

@@ -43,7 +43,8 @@ class ServerConfig:
     """Everything the HTTP server and the backend factory need to know.
 
     ``model is None`` means the embedded default model; ``model_name is None`` means the name
-    the loader derives from the model. ``api_key is None`` disables authentication.
+    the loader derives from the model. ``api_key is None`` disables authentication;
+    ``admin_key`` guards ``/status`` instead of ``api_key`` when set.
     ``None`` for ``max_running``, ``max_step_tokens``, ``kv_cache_mb`` and ``max_context``
     lets the backend choose by device (see :mod:`furnace_trio.server.backend`).
     """
@@ -53,6 +54,7 @@ class ServerConfig:
     device: Device = "auto"
     dtype: str = "auto"
     api_key: str | None = None
+    admin_key: str | None = None
     max_running: int | None = None
     max_waiting: int = 256
     max_step_tokens: int | None = None
@@ -172,6 +174,7 @@ class ServerConfig:
             device=device,  # type: ignore[arg-type]  # checked by choice()
             dtype=choice("FURNACE_DTYPE", DTYPES) or defaults.dtype,
             api_key=text("FURNACE_API_KEY"),
+            admin_key=text("FURNACE_ADMIN_KEY"),
             max_running=max_running,
             max_waiting=max_waiting if max_waiting is not None else defaults.max_waiting,
             max_step_tokens=max_step_tokens,

@@ -158,7 +158,12 @@ def start_generation(
         want_logprobs=params.logprobs is not None,
     )
     stream = _submit_all(backend, generations, prompt_param, nursery)
-    timing = RequestTiming(request_id)
+    timing = RequestTiming(
+        request_id,
+        longest_prompt=max(len(prompt_ids) for prompt_ids in prompts),
+        max_context=backend.max_context,
+        kv_blocks=backend.engine.kv_blocks,
+    )
     tools: ToolCallStream | Echo | None = None
     if tool_stream is not None:
         tools = tool_stream(request_id, collector.n)

@@ -81,6 +81,13 @@ def render_metrics(
             "KV blocks in the pool.",
             stats.kv_blocks_total,
         )
+        _metric(
+            lines,
+            "furnace_kv_blocks_reserved",
+            "gauge",
+            "KV blocks set aside for admitted requests to grow into, not yet in use.",
+            stats.kv_blocks_reserved,
+        )
         usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
         _metric(
             lines, "furnace_kv_cache_usage_ratio", "gauge", "Fraction of KV blocks used.", usage
@@ -89,6 +96,13 @@ def render_metrics(
         lines.append("# TYPE furnace_requests_total counter")
         for outcome, count in sorted(stats.requests.items()):
             lines.append(f'furnace_requests_total{{outcome="{_label(outcome)}"}} {count}')
+        _metric(
+            lines,
+            "furnace_requests_cancelled_before_admission_total",
+            "counter",
+            "Requests whose client went away while they were queued (status 499 in the log).",
+            stats.requests_cancelled_before_admission_total,
+        )
         _metric(
             lines,
             "furnace_prompt_tokens_total",

@@ -291,6 +291,14 @@ def openapi_document() -> dict[str, Any]:
                 },
             }
         },
+        "/status": {
+            "get": {
+                "summary": "Every request in flight and the engine's KV and step rate, now",
+                "operationId": "status",
+                "description": "Behind FURNACE_ADMIN_KEY when set, else the API key.",
+                "responses": {"200": _json(ref("Status"), "The status.")} | _errors("401", "503"),
+            }
+        },
         "/openapi.json": {
             "get": {
                 "summary": "This document",

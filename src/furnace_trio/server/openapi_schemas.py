@@ -20,6 +20,7 @@ from furnace_trio.server.schemas import (
     TOKENIZE_FIELDS,
     FieldSpec,
 )
+from furnace_trio.server.status import STATUS_SCHEMA
 
 _REF = "#/components/schemas/"
 
@@ -275,6 +276,7 @@ SCHEMAS: dict[str, Any] = {
             "error": {"type": "string"},
         },
     },
+    "Status": STATUS_SCHEMA,
     "ChatCompletionRequest": request_schema(CHAT_FIELDS),
     "CompletionRequest": request_schema(COMPLETION_FIELDS),
     "TokenizeRequest": request_schema(TOKENIZE_FIELDS),

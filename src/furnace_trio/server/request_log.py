@@ -1,17 +1,21 @@
-"""The per-request log line: status, token counts, queue time, prefill and decode rates.
+"""The per-request log line: status, token counts, context and KV fullness, queue time,
+prefill and decode rates.
 
 :class:`RequestTiming` collects the times as a generation's events arrive, and counts the
 tokens of every delta the handler takes off the engine's stream (:meth:`~RequestTiming.observe`):
 the usage's ``completion_tokens`` only comes with a sample's ``Finished``, which a stream
 the client left never gets. Its :meth:`~RequestTiming.log` runs once, when the response
 ends however it ends, and writes one line, whose numbers the JSON log format also carries
-as fields (:mod:`furnace_trio.server.log_setup`).
+as fields (:mod:`furnace_trio.server.log_setup`). The line also says how close the request came to the context limit (``context=<tokens>/<max>``: its
+longest prompt plus its longest choice) and how full the KV cache was when it ended
+(``kv=<used>/<total>`` blocks), the two limits an operator tunes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from furnace_trio.engine import Delta
@@ -23,7 +27,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class RequestTiming:
-    """Times and counts for the per-request log line."""
+    """Times and counts for the per-request log line.
+
+    ``kv_blocks`` reads the engine's (used, total) KV blocks when the line is written.
+    """
 
     request_id: str
     started: float = field(default_factory=time.monotonic)
@@ -31,6 +38,9 @@ class RequestTiming:
     first_token: float | None = None
     queue_time: float = 0.0
     status: int = 200
+    longest_prompt: int = 0
+    max_context: int = 0
+    kv_blocks: Callable[[], tuple[int, int]] | None = None
     #: Tokens of the deltas taken off the engine's stream, every sample together.
     streamed_tokens: int = 0
 
@@ -53,12 +63,18 @@ class RequestTiming:
             decode_rate = (generated - collector.n) / decode_s if decode_s > 0 else 0.0
         decode_rate = max(decode_rate, 0.0)
         reasons = ",".join(c.finish_reason or "-" for c in collector.choices)
+        longest = max((c.completion_tokens for c in collector.choices), default=0)
+        kv_used, kv_total = self.kv_blocks() if self.kv_blocks is not None else (0, 0)
         fields = {
             "request_id": self.request_id,
             "status": self.status,
             "prompt_tokens": collector.prompt_tokens,
             "cached_tokens": collector.cached_tokens,
             "generated_tokens": generated,
+            "context_tokens": (self.longest_prompt or collector.prompt_tokens) + longest,
+            "max_context": self.max_context,
+            "kv_blocks_used": kv_used,
+            "kv_blocks_total": kv_total,
             "queue_time_s": round(self.queue_time, 6),
             "prefill_tok_s": round(prefill_rate, 1),
             "decode_tok_s": round(decode_rate, 1),
@@ -67,12 +83,18 @@ class RequestTiming:
         }
         logger.info(
             "request %s status=%d prompt_tokens=%d cached_tokens=%d generated_tokens=%d "
+            "context=%d/%d kv=%d/%d blocks (%.0f%%) "
             "queue_time=%.3fs prefill=%.1f tok/s decode=%.1f tok/s finish=%s total=%.3fs",
             self.request_id,
             self.status,
             collector.prompt_tokens,
             collector.cached_tokens,
             generated,
+            (self.longest_prompt or collector.prompt_tokens) + longest,
+            self.max_context,
+            kv_used,
+            kv_total,
+            100 * kv_used / kv_total if kv_total else 0.0,
             self.queue_time,
             prefill_rate,
             decode_rate,

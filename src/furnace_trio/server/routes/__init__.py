@@ -6,10 +6,12 @@
 - :mod:`.sessions`: ``/v1/sessions/<id>``
 - :mod:`.responses`: ``/v1/responses`` and ``/v1/responses/<id>`` (``input_items`` too)
 - :mod:`.tokenizer`: ``/tokenize``, ``/detokenize``, ``/tokenizer_info``
+- :mod:`.status`: ``/status``
 - :mod:`.page`: ``/``, the chat page, and its files under ``/static/``
 
 Everything under ``/v1`` and the tokenizer paths is behind the API key, when the server has
-one; ``/health``, ``/metrics``, ``/openapi.json`` and the chat page are open.
+one; ``/status`` behind the admin key (else the API key); ``/health``, ``/metrics``,
+``/openapi.json`` and the chat page are open.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 from quart import request
 from quart_trio import QuartTrio
 
-from furnace_trio.server.auth import check_api_key
+from furnace_trio.server.auth import check_admin_key, check_api_key
 from furnace_trio.server.routes import (
     chat,
     completions,
@@ -25,8 +27,10 @@ from furnace_trio.server.routes import (
     responses,
     service,
     sessions,
+    status,
     tokenizer,
 )
+from furnace_trio.server.routes.status import STATUS_PATH
 from furnace_trio.server.routes.tokenizer import TOKENIZER_PATHS
 from furnace_trio.server.state import ServerState
 
@@ -38,6 +42,8 @@ def register_routes(app: QuartTrio, state: ServerState) -> None:
     async def authenticate() -> None:
         if request.path.startswith("/v1") or request.path in TOKENIZER_PATHS:
             check_api_key(state)
+        elif request.path == STATUS_PATH:
+            check_admin_key(state)
 
-    for family in (service, chat, completions, responses, sessions, tokenizer, page):
+    for family in (service, chat, completions, responses, sessions, tokenizer, status, page):
         family.register(app, state)

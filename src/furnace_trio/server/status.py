@@ -1,0 +1,126 @@
+"""The body of ``GET /status`` from the engine's :class:`~furnace_trio.engine.EngineStatus`,
+and its JSON Schema for the OpenAPI document.
+
+An operator's view of now (what llama.cpp's ``/slots`` and Ollama's ``/api/ps`` show, per
+request): every request in flight with its phase, tokens and KV, and the engine's KV and
+step rate. Request ids are the response ids the clients got (``chatcmpl-...``; a batch of
+completions prompts adds ``-<index>``), the ids of the per-request log line. Counters over
+time are ``/metrics``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from furnace_trio.engine import EngineStatus, RequestPhase, RequestStatus
+
+
+def _request(request: RequestStatus) -> dict[str, Any]:
+    return {
+        "id": request.request_id,
+        "phase": request.phase.value,
+        "prompt_tokens": request.prompt_tokens,
+        "prefilled_tokens": request.prefilled_tokens,
+        "cached_tokens": request.cached_tokens,
+        "generated_tokens": request.generated_tokens,
+        "n": request.samples,
+        "kv_blocks": {"used": request.kv_blocks_used, "reserved": request.kv_blocks_reserved},
+        "age_s": round(request.age_s, 3),
+        "session_id": request.session_id,
+    }
+
+
+def status_body(status: EngineStatus, *, model: str, http_in_flight: int) -> dict[str, Any]:
+    """The JSON object of ``/status`` (see :data:`STATUS_SCHEMA`)."""
+    return {
+        "object": "status",
+        "model": model,
+        "http_requests_in_flight": http_in_flight,
+        "engine": {
+            "state": status.state,
+            "alive": status.alive,
+            "running": status.running,
+            "waiting": status.waiting,
+            "sessions": status.sessions,
+            "steps_total": status.steps_total,
+            "step_rate": round(status.step_rate, 2),
+            "kv_blocks": {
+                "total": status.kv_blocks_total,
+                "used": status.kv_blocks_used,
+                "free": status.kv_blocks_free,
+                "reserved": status.kv_blocks_reserved,
+                "pinned": status.kv_blocks_pinned,
+                "cached": status.kv_blocks_cached,
+            },
+        },
+        "requests": [_request(request) for request in status.requests],
+    }
+
+
+def _counts(*names: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": list(names),
+        "properties": {name: {"type": "integer", "minimum": 0} for name in names},
+        "additionalProperties": False,
+    }
+
+
+_COUNT = {"type": "integer", "minimum": 0}
+_REQUEST_FIELDS: dict[str, Any] = {
+    "id": {"type": "string"},
+    "phase": {
+        "enum": [phase.value for phase in RequestPhase],
+        "description": "queued: waiting for admission; prefill: computing its prompt "
+        "(prefilled_tokens of prompt_tokens done); decoding: generating.",
+    },
+    "prompt_tokens": _COUNT,
+    "prefilled_tokens": _COUNT,
+    "cached_tokens": _COUNT,
+    "generated_tokens": {**_COUNT, "description": "Over every sample."},
+    "n": {"type": "integer", "minimum": 1},
+    "kv_blocks": {
+        **_counts("used", "reserved"),
+        "description": "Blocks its KV is in, and those plus what admission set aside "
+        "for it to grow into.",
+    },
+    "age_s": {"type": "number", "minimum": 0, "description": "Seconds since it was accepted."},
+    "session_id": {"type": ["string", "null"]},
+}
+_ENGINE_FIELDS: dict[str, Any] = {
+    "state": {"enum": ["new", "running", "shutting down", "draining", "stopped", "dead"]},
+    "alive": {"type": "boolean"},
+    "running": {**_COUNT, "description": "Running sequences (n per request)."},
+    "waiting": {**_COUNT, "description": "Queued requests."},
+    "sessions": _COUNT,
+    "steps_total": _COUNT,
+    "step_rate": {"type": "number", "minimum": 0, "description": "Steps per second, lately."},
+    "kv_blocks": _counts("total", "used", "free", "reserved", "pinned", "cached"),
+}
+
+#: The JSON Schema of the ``/status`` body.
+STATUS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["object", "model", "http_requests_in_flight", "engine", "requests"],
+    "additionalProperties": False,
+    "properties": {
+        "object": {"const": "status"},
+        "model": {"type": "string"},
+        "http_requests_in_flight": _COUNT,
+        "engine": {
+            "type": "object",
+            "required": list(_ENGINE_FIELDS),
+            "properties": _ENGINE_FIELDS,
+            "additionalProperties": False,
+        },
+        "requests": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": list(_REQUEST_FIELDS),
+                "properties": _REQUEST_FIELDS,
+                "additionalProperties": False,
+            },
+        },
+    },
+}
