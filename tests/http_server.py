@@ -144,7 +144,13 @@ def scripted_app(
             config=engine_config or EngineConfig(),
         )
         engines.append(engine)
-        return Backend(engine, tokenizer, MODEL_NAME, runner.max_context)
+        return Backend(
+            engine,
+            tokenizer,
+            MODEL_NAME,
+            runner.max_context,
+            max_output_tokens=cfg.max_output_tokens,
+        )
 
     return create_app(config or ServerConfig(), backend_factory=factory), engines
 

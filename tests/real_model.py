@@ -84,7 +84,13 @@ async def serve_real(
             config=engine_config or EngineConfig(max_running=8, max_step_tokens=256),
         )
         engines.append(engine)
-        return Backend(engine, model.tokenizer, NAME, runner.max_context)
+        return Backend(
+            engine,
+            model.tokenizer,
+            NAME,
+            runner.max_context,
+            max_output_tokens=cfg.max_output_tokens,
+        )
 
     app = create_app(ServerConfig(**config), backend_factory=factory)
     async with serve_app(app) as url:

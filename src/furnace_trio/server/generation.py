@@ -227,12 +227,13 @@ def _params(
             prompt_tokens=len(prompt_ids),
             max_context=backend.max_context,
             default=None if kind == "chat" else COMPLETIONS_DEFAULT_MAX_TOKENS,
+            limit=backend.max_output_tokens,
             prompt_param=prompt_param,
             max_tokens_param=parsed.sampling.max_tokens_param,
         )
         try:
             # max_tokens 0 (echo alone): one token is computed, and the echo drops it.
-            params = parsed.sampling.to_params(max(max_tokens, 1))
+            params = parsed.sampling.to_params(max(max_tokens, 1), backend.generation)
         except ValueError as exc:
             raise invalid_request(str(exc)) from None
     except APIError as exc:

@@ -154,6 +154,7 @@ def resolve_max_tokens(
     prompt_tokens: int,
     max_context: int,
     default: int | None,
+    limit: int | None = None,
     prompt_param: str = "messages",
     max_tokens_param: str = "max_tokens",
 ) -> int:
@@ -163,9 +164,21 @@ def resolve_max_tokens(
     (``context_length_exceeded``, naming the prompt), and so is a ``requested`` count that
     does not fit beside the prompt (naming ``max_tokens``), as OpenAI and vLLM answer: a
     silent clamp would hide from the client that it asked for more than the model can do.
-    Without a request, ``default`` is clamped to the room left; ``default is None`` means
-    "as much as the context allows".
+    ``limit`` (``FURNACE_MAX_OUTPUT_TOKENS``) is the server's cap: a ``requested`` count
+    above it is a 400 (``invalid_value``, OpenAI's answer to a ``max_tokens`` above a
+    model's output limit), and it replaces ``default``. Without a request, the default is
+    clamped to the room left; ``None`` for both means "as much as the context allows".
     """
+    if requested is not None and limit is not None and requested > limit:
+        raise APIError(
+            400,
+            f"{max_tokens_param} is too large: {requested}. This server supports at most "
+            f"{limit} completion tokens, whereas you provided {requested}.",
+            param=max_tokens_param,
+            code="invalid_value",
+        )
+    if limit is not None:
+        default = limit
     room = max_context - prompt_tokens
     if room < 1:
         raise APIError(

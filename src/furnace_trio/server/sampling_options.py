@@ -1,6 +1,12 @@
 """The sampling fields both generation endpoints share, validated into
 :class:`SamplingOptions`: temperature and the other samplers' knobs, penalties,
 ``logit_bias``, ``seed``, ``n``, ``stop`` and ``ignore_eos``.
+
+The samplers' knobs that a model may recommend (temperature, top-p, top-k, min-p, the
+repetition penalty) stay ``None`` when the request leaves them unset, so that
+:meth:`SamplingOptions.to_params` can fill them from the model's
+:class:`~furnace_trio.loading.generation_defaults.GenerationDefaults`, then from OpenAI's
+defaults.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from furnace_trio.core.params import SamplingParams
+from furnace_trio.loading.generation_defaults import NO_GENERATION_DEFAULTS, GenerationDefaults
 from furnace_trio.server.errors import invalid_request
 from furnace_trio.server.protocol import FieldBody, kind_of
 from furnace_trio.server.schemas import MAX_LOGIT_BIAS, MAX_STOP_LENGTH, MAX_STOP_SEQUENCES
@@ -23,17 +30,19 @@ class SamplingOptions:
     """Sampling fields common to both endpoints; ``max_tokens`` is resolved later.
 
     ``max_tokens is None`` means the client gave none: the handler picks a default once
-    the prompt length is known (the rest of the context for chat, 16 for completions).
+    the prompt length is known (see :func:`~furnace_trio.server.protocol.resolve_max_tokens`).
+    ``None`` in ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty``
+    means the client gave none; ``top_k`` 0 means the client turned top-k off.
     """
 
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
     top_k: int | None = None
-    min_p: float = 0.0
+    min_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     logit_bias: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
     seed: int | None = None
     logprobs: int | None = None
@@ -43,17 +52,25 @@ class SamplingOptions:
     #: The field ``max_tokens`` came from, named by a ``context_length_exceeded`` error.
     max_tokens_param: str = "max_tokens"
 
-    def to_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's parameters with ``max_tokens`` resolved."""
+    def to_params(
+        self, max_tokens: int, defaults: GenerationDefaults = NO_GENERATION_DEFAULTS
+    ) -> SamplingParams:
+        """The engine's parameters with ``max_tokens`` resolved; each sampler knob the
+        request left unset comes from ``defaults`` (the model's), else OpenAI's default."""
+
+        def pick(mine: float | None, model: float | None, openai: float) -> float:
+            return mine if mine is not None else model if model is not None else openai
+
+        top_k = self.top_k if self.top_k is not None else defaults.top_k
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            temperature=pick(self.temperature, defaults.temperature, 1.0),
+            top_p=pick(self.top_p, defaults.top_p, 1.0),
+            top_k=top_k or None,
+            min_p=pick(self.min_p, defaults.min_p, 0.0),
+            repetition_penalty=pick(self.repetition_penalty, defaults.repetition_penalty, 1.0),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias,
             seed=self.seed,
             logprobs=self.logprobs,
@@ -71,7 +88,7 @@ def parse_sampling(
         max_tokens=max_tokens,
         temperature=data.get("temperature"),
         top_p=data.get("top_p"),
-        top_k=top_k if top_k is not None and top_k > 0 else None,
+        top_k=None if top_k is None else max(top_k, 0),
         min_p=data.get("min_p"),
         presence_penalty=data.get("presence_penalty"),
         frequency_penalty=data.get("frequency_penalty"),

@@ -92,6 +92,10 @@ class FieldSpec:
         return out
 
 
+#: How the samplers' knobs default (see furnace_trio.loading.generation_defaults).
+_MODEL_DEFAULT = "Unset: the model's own default where it ships one (GET /v1/models)"
+
+
 def _table(*specs: FieldSpec) -> Mapping[str, FieldSpec]:
     return MappingProxyType({spec.name: spec for spec in specs})
 
@@ -170,20 +174,49 @@ COMMON_FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec(
         "max_tokens",
         "integer",
-        "Most tokens to generate; prompt + max_tokens must fit the context.",
+        "Most tokens to generate; prompt + max_tokens must fit the context, and at most "
+        "the server's FURNACE_MAX_OUTPUT_TOKENS. Unset: that setting, else the rest of the "
+        "context.",
         low=1,
     ),
-    FieldSpec("temperature", "number", "Sampling temperature; 0 is greedy.", 1.0, 0.0, 2.0),
-    FieldSpec("top_p", "number", "Nucleus sampling mass.", 1.0, 0.0, 1.0, low_open=True),
-    FieldSpec("top_k", "integer", "Sample among the k likeliest tokens; -1 or 0: all.", low=-1),
-    FieldSpec("min_p", "number", "Drop tokens below min_p times the top probability.", 0.0, 0, 1),
+    FieldSpec(
+        "temperature",
+        "number",
+        f"Sampling temperature; 0 is greedy. {_MODEL_DEFAULT}, else 1.",
+        None,
+        0.0,
+        2.0,
+    ),
+    FieldSpec(
+        "top_p",
+        "number",
+        f"Nucleus sampling mass. {_MODEL_DEFAULT}, else 1.",
+        None,
+        0.0,
+        1.0,
+        low_open=True,
+    ),
+    FieldSpec(
+        "top_k",
+        "integer",
+        f"Sample among the k likeliest tokens; -1 or 0: all. {_MODEL_DEFAULT}, else all.",
+        low=-1,
+    ),
+    FieldSpec(
+        "min_p",
+        "number",
+        f"Drop tokens below min_p times the top probability. {_MODEL_DEFAULT}, else 0.",
+        None,
+        0,
+        1,
+    ),
     FieldSpec("presence_penalty", "number", "Penalty for tokens already present.", 0.0, -2, 2),
     FieldSpec("frequency_penalty", "number", "Penalty per earlier occurrence.", 0.0, -2, 2),
     FieldSpec(
         "repetition_penalty",
         "number",
-        "Multiplicative penalty on repeated tokens (1: none).",
-        1.0,
+        f"Multiplicative penalty on repeated tokens (1: none). {_MODEL_DEFAULT}, else 1.",
+        None,
         0.0,
         2.0,
         low_open=True,
@@ -345,7 +378,8 @@ COMPLETION_FIELDS: Mapping[str, FieldSpec] = _table(
     FieldSpec(
         "max_tokens",
         "integer",
-        "Most tokens to generate; prompt + max_tokens must fit the context. 0 (with echo "
+        "Most tokens to generate; prompt + max_tokens must fit the context, and at most "
+        "the server's FURNACE_MAX_OUTPUT_TOKENS. Unset: that setting, else 16. 0 (with echo "
         "only): the prompt alone, scored when logprobs is given.",
         low=0,
     ),

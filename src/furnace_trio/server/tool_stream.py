@@ -53,9 +53,13 @@ class ToolCallStream:
         *,
         parallel: bool,
         fallbacks: Counter[str],
+        drop_repeats: bool = False,
     ) -> None:
         self.request_id = request_id
-        self._parsers = [ToolCallParser(fmt, tools, parallel=parallel) for _ in range(n)]
+        self._parsers = [
+            ToolCallParser(fmt, tools, parallel=parallel, drop_repeats=drop_repeats)
+            for _ in range(n)
+        ]
         self._fallbacks = fallbacks
 
     def translate(self, event: object) -> list[object]:

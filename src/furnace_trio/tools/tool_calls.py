@@ -21,8 +21,11 @@ Invariants, and why:
   content and is published as such.
 - Arguments are checked against the tool's JSON schema; a mismatch is reported, and the
   call still stands (the client, which owns the tool, decides what to do with it).
-- A call that repeats an earlier one of the output (same name, same arguments) is dropped:
-  a client would run the tool twice for one intent.
+- With ``drop_repeats`` (forced calls: ``tool_choice`` required or named), a call that
+  repeats an earlier one of the output (same name, same arguments) is dropped: a model
+  made to call tends to repeat its call, and a client would run the tool twice for one
+  intent. With ``auto`` the model chose each call, and two identical ones may be meant
+  (two coin flips), so they stand.
 - Whitespace between or after calls is dropped; other text after a call is content,
   reported once as ``trailing_text``.
 """
@@ -73,7 +76,7 @@ class FallbackReason(enum.StrEnum):
     MISSING_END_MARKER = "missing_end_marker"  # complete JSON, no closing tag: call kept
     TRAILING_TEXT = "trailing_text"  # content after a call: kept as content
     EXTRA_CALL = "extra_call"  # a second call with parallel_tool_calls false: dropped
-    DUPLICATE_CALL = "duplicate_call"  # the same name and arguments as an earlier call: dropped
+    DUPLICATE_CALL = "duplicate_call"  # a forced call repeating an earlier one: dropped
 
 
 def new_tool_call_id() -> str:
@@ -193,12 +196,14 @@ class ToolCallParser:
     """Streaming parser for one choice of one response. See the module docstring.
 
     ``tools`` maps each offered function name to its parameters' JSON schema (``None``:
-    anything goes). ``parallel`` false keeps only the first call.
+    anything goes). ``parallel`` false keeps only the first call. ``drop_repeats`` drops a
+    call identical to an earlier one (for forced calls; see the module docstring).
     """
 
     format: ToolCallFormat
     tools: Mapping[str, Mapping[str, Any] | None]
     parallel: bool = True
+    drop_repeats: bool = False
     id_factory: Callable[[], str] = new_tool_call_id
     calls: list[ToolCall] = field(default_factory=list)
     _buf: str = ""
@@ -392,7 +397,9 @@ class ToolCallParser:
                 out.append(ToolCallFallback(FallbackReason.EXTRA_CALL, name))
                 continue
             serialised = json.dumps(arguments, ensure_ascii=False)
-            if any(c.name == name and c.arguments == serialised for c in self.calls):
+            if self.drop_repeats and any(
+                c.name == name and c.arguments == serialised for c in self.calls
+            ):
                 out.append(ToolCallFallback(FallbackReason.DUPLICATE_CALL, name))
                 continue
             problem = self._schema_problem(name, arguments)

@@ -152,6 +152,7 @@ def _tool_stream(
             parsed.tool_schemas,
             parallel=parsed.parallel_tool_calls,
             fallbacks=state.tool_call_fallbacks,
+            drop_repeats=parsed.tool_choice in ("required", "function"),
         )
 
     return make
