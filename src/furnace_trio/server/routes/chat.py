@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
@@ -21,7 +22,7 @@ from furnace_trio.server.chat_prompt import render_chat
 from furnace_trio.server.chat_request import ChatRequest, parse_chat_request
 from furnace_trio.server.errors import invalid_request
 from furnace_trio.server.generation import generate
-from furnace_trio.server.routes.common import read_generation
+from furnace_trio.server.routes.common import config_of, read_generation
 from furnace_trio.server.routes.sessions import session_busy, session_not_found
 from furnace_trio.server.sse import dumps
 from furnace_trio.server.state import ServerState
@@ -38,7 +39,13 @@ logger = logging.getLogger(__name__)
 def register(app: QuartTrio, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        backend, parsed = await read_generation(state, parse_chat_request)
+        config = config_of(state)
+        parse = partial(
+            parse_chat_request,
+            max_schema_nodes=config.max_schema_nodes,
+            max_sequences=config.sequences_per_request,
+        )
+        backend, parsed = await read_generation(state, parse)
         session_id = _session_id(parsed)
         if session_id is not None:
             return await _session_chat(state, backend, parsed, session_id)
@@ -63,10 +70,13 @@ async def _chat(
     """Render, tokenize, set up tool parsing and any grammar, then generate."""
     prompt_ids = await trio.to_thread.run_sync(render_chat, backend, parsed)
     constraint = None
-    if parsed.response_format is not None or parsed.tool_choice in ("required", "function"):
+    forced = parsed.tool_choice in ("required", "function")
+    if parsed.response_format is not None or forced:
         if state.grammar is None:
             state.grammar = GrammarCompiler(backend.tokenizer)
-        constraint = await trio.to_thread.run_sync(_constraint, state, backend, parsed)
+        constraint = await state.off_loop.compile(
+            partial(_constraint, state, backend, parsed), "tools" if forced else "response_format"
+        )
     return await generate(
         backend,
         "chat",
@@ -137,7 +147,8 @@ def _constraint(
     """The grammar that enforces ``tool_choice`` required/named or ``response_format``.
 
     Forced calls are generated in the Hermes format; with another configured parser they
-    are left to the prompt. Runs in a worker thread (compiling takes milliseconds).
+    are left to the prompt. Runs in a worker thread under a time budget (see
+    :mod:`~furnace_trio.server.off_loop`).
     """
     compiler = state.grammar
     assert compiler is not None  # set by the handler before this runs; not user input
