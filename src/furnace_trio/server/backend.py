@@ -16,6 +16,7 @@ from furnace_trio.engine.engine import Engine, EngineConfig
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.loading.tokenizer import Tokenizer
 from furnace_trio.server.config import ServerConfig
+from furnace_trio.tools.grammar import GrammarCompiler
 
 if TYPE_CHECKING:
     from furnace_trio.runtime.runner import ModelRunner
@@ -40,10 +41,14 @@ GPU_KV_FRACTION = 0.5
 
 @dataclass(slots=True)
 class Backend:
+    """The engine, its tokenizer and names. ``grammar`` is built with the model (see
+    :meth:`GrammarCompiler.warm`); ``None`` builds it on the first grammar request."""
+
     engine: Engine
     tokenizer: Tokenizer
     model_name: str
     max_context: int
+    grammar: GrammarCompiler | None = None
 
 
 def _kv_cache_bytes(config: ServerConfig, device_type: str) -> int:
@@ -141,10 +146,13 @@ def load_backend(config: ServerConfig) -> Backend:
         raise
     tokenizer = loaded.tokenizer
     engine = build_engine(runner, tokenizer, config, device.type, thread)
+    grammar = GrammarCompiler(tokenizer)
+    grammar.warm()
     logger.info("loaded %s in %.1f s", loaded.name, time.monotonic() - started)
     return Backend(
         engine=engine,
         tokenizer=tokenizer,
         model_name=config.model_name or loaded.name,
         max_context=runner.max_context,
+        grammar=grammar,
     )

@@ -73,7 +73,7 @@ async def _chat(
     forced = parsed.tool_choice in ("required", "function")
     if parsed.response_format is not None or forced:
         if state.grammar is None:
-            state.grammar = GrammarCompiler(backend.tokenizer)
+            state.grammar = backend.grammar or GrammarCompiler(backend.tokenizer)
         constraint = await state.off_loop.compile(
             partial(_constraint, state, backend, parsed), "tools" if forced else "response_format"
         )
