@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import enum
 import json
+import logging
 import math
 import random
 import sys
@@ -320,7 +321,7 @@ async def run_soak(
     beside them), then check the engine (``engine_of()`` returns it once serving started).
     Everything is bounded in count and time."""
     report = SoakReport()
-    cases = hostile_cases(max_tokens) if hostile else []
+    cases = hostile_cases() if hostile else []
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.graceful_timeout = 5
@@ -437,6 +438,8 @@ def main() -> int:
     from furnace_trio.server.config import ServerConfig
 
     app = create_app(ServerConfig.from_env())
+    # a line per client request (the loop watch alone sends 100 a second) is noise here
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     def engine_of() -> Any:
         return app.extensions[STATE_KEY].backend.engine
