@@ -147,7 +147,10 @@ def bench_models(session: nox.Session) -> None:
 @nox.session
 def soak(session: nox.Session) -> None:
     """32 clients for 3 minutes against the default model on 127.0.0.1, with early
-    disconnects, stop strings, n > 1 and sessions; fails on a lost request or a leak.
+    disconnects, stop strings, n > 1 and sessions, and a hostile client beside them
+    (benchmarks/_hostile.py: oversized schemas, fan-out, broken Unicode and numbers); fails
+    on a lost request, a leak, an unexpected answer to the hostile client or a stalled
+    event loop.
     ``nox -s soak -- --duration 60 --clients 16`` for a shorter one."""
     _install(session, "test")
     session.run("python", "benchmarks/soak.py", *session.posargs)

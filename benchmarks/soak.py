@@ -15,7 +15,12 @@ Afterwards it checks and reports:
   turns all 0) and every KV block reference it holds is a session pin; after deleting
   every session, no reference at all;
 - resident memory (``VmRSS`` from ``/proc/self/status``, sampled every second):
-  start, peak, end.
+  start, peak, end;
+- hostile clients (``benchmarks/_hostile.py``, off with ``--no-hostile``): one client
+  sends schemas and fan-outs that once stalled or flooded the server, beside the normal
+  ones; each must get its expected status, and the event loop must never wake more than
+  ``STALL_LIMIT_UNDER_LOAD_S`` late meanwhile (``/health`` round trips are reported: under
+  load they include waiting behind the normal clients' work).
 
     python benchmarks/soak.py [--duration 180] [--clients 32]   # the default model
     nox -s soak -- --duration 60
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import enum
 import json
+import logging
 import math
 import random
 import sys
@@ -44,6 +50,18 @@ import trio
 from hypercorn.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
+for _path in (ROOT, ROOT / "benchmarks"):  # tests.loop_watch; _hostile beside this file
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from _hostile import (  # noqa: E402
+    STALL_LIMIT_UNDER_LOAD_S,
+    HostileReport,
+    hostile_cases,
+    run_hostile,
+)
+from tests.loop_watch import watch_loop  # noqa: E402
+
 PROMPTS = (
     "Name three colours.",
     "What is the capital of France?",
@@ -81,6 +99,7 @@ class SoakReport:
     seconds: float = 0.0
     leaks: list[str] = field(default_factory=list)
     final_stats: dict[str, Any] = field(default_factory=dict)
+    hostile: HostileReport | None = None
 
     def summary(self) -> str:
         rss = self.rss_kib or [0]
@@ -96,8 +115,14 @@ class SoakReport:
                 f"final engine: {self.final_stats}",
                 f"leaks: {self.leaks or 'none'}",
                 f"lost: {self.lost[:10] or 'none'}",
+                self.hostile.summary() if self.hostile is not None else "hostile: off",
             ]
         )
+
+    @property
+    def passed(self) -> bool:
+        hostile = self.hostile
+        return not self.leaks and not self.lost and (hostile is None or not hostile.unexpected)
 
 
 def rss_kib() -> int:
@@ -261,7 +286,12 @@ async def run_clients(
     async def client(index: int) -> None:
         rng = random.Random(seed * 1000 + index)
         limits = httpx.Limits(max_connections=2)
-        async with httpx.AsyncClient(base_url=url, timeout=request_timeout, limits=limits) as http:
+        # verify=False: plain HTTP on loopback needs no certificates, and loading them
+        # (what httpx does for each client) holds the GIL for ~90 ms, which the loop watch
+        # would count as a server stall: the clients run in the server's process.
+        async with httpx.AsyncClient(
+            base_url=url, timeout=request_timeout, limits=limits, verify=False
+        ) as http:
             turn = 0
             while trio.current_time() < deadline and budget[0] > 0:
                 budget[0] -= 1
@@ -285,10 +315,13 @@ async def run_soak(
     seed: int = 0,
     request_timeout: float = 120.0,
     idle_timeout: float = 60.0,
+    hostile: bool = True,
 ) -> SoakReport:
-    """Serve ``app`` on loopback, run the clients, then check the engine (``engine_of()``
-    returns it once serving started). Everything is bounded in count and time."""
+    """Serve ``app`` on loopback, run the clients (and, with ``hostile``, the hostile one
+    beside them), then check the engine (``engine_of()`` returns it once serving started).
+    Everything is bounded in count and time."""
     report = SoakReport()
+    cases = hostile_cases() if hostile else []
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.graceful_timeout = 5
@@ -309,7 +342,8 @@ async def run_soak(
                 await trio.sleep(1.0)
 
         nursery.start_soon(sample_rss)
-        await run_clients(
+        clients_run = partial(
+            run_clients,
             url,
             clients=clients,
             duration_s=duration_s,
@@ -319,6 +353,10 @@ async def run_soak(
             request_timeout=request_timeout,
             report=report,
         )
+        if cases:
+            report.hostile = await _with_hostile(url, cases, clients_run, request_timeout)
+        else:
+            await clients_run()
         report.seconds = time.monotonic() - started
         engine = engine_of()
         with trio.move_on_after(idle_timeout):
@@ -362,6 +400,26 @@ async def run_soak(
     return report
 
 
+async def _with_hostile(
+    url: str, cases: list[Any], clients_run: Any, request_timeout: float
+) -> HostileReport:
+    """Run the normal clients with the hostile one beside them, the loop watched."""
+    hostile = HostileReport()
+    done = trio.Event()
+    async with watch_loop(url) as watch, trio.open_nursery() as nursery:
+        nursery.start_soon(run_hostile, url, cases, done, hostile, request_timeout)
+        await clients_run()
+        done.set()
+    hostile.longest_stall_s = watch.longest_lag_s
+    hostile.watch = str(watch)
+    if watch.longest_lag_s > STALL_LIMIT_UNDER_LOAD_S:
+        hostile.unexpected.append(
+            f"the event loop stalled {watch.longest_lag_s:.3f} s "
+            f"(limit {STALL_LIMIT_UNDER_LOAD_S} s under load)"
+        )
+    return hostile
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of load")
@@ -370,6 +428,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=120.0)
+    parser.add_argument("--no-hostile", action="store_true", help="leave out the hostile client")
     args = parser.parse_args()
     if not 0 < args.duration <= 3600 or not 0 < args.clients <= 256:
         raise ValueError("--duration must be in (0, 3600] s and --clients in (0, 256]")
@@ -379,6 +438,8 @@ def main() -> int:
     from furnace_trio.server.config import ServerConfig
 
     app = create_app(ServerConfig.from_env())
+    # a line per client request (the loop watch alone sends 100 a second) is noise here
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     def engine_of() -> Any:
         return app.extensions[STATE_KEY].backend.engine
@@ -395,10 +456,11 @@ def main() -> int:
             max_tokens=args.max_tokens,
             seed=args.seed,
             request_timeout=args.request_timeout,
+            hostile=not args.no_hostile,
         )
     )
     print(report.summary())
-    ok = not report.leaks and not report.lost
+    ok = report.passed
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

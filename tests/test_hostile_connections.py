@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import httpx
 import trio
 
+from furnace_trio.engine import EngineConfig
 from furnace_trio.engine.backlog import TOKEN_BYTES, TOP_LOGPROB_BYTES
-from furnace_trio.engine.engine import EngineConfig
 
 from . import scripted
 from .http_server import Served, serve_scripted

@@ -1,5 +1,7 @@
 """A short soak over a scripted runner: ~100 mixed requests from 16 clients with early
-disconnects, stop strings, n > 1 and session turns; nothing lost, nothing leaked.
+disconnects, stop strings, n > 1 and session turns, and a hostile client beside them
+(oversized schemas, fan-out, broken Unicode and numbers); nothing lost, nothing leaked,
+every hostile request answered as expected, the event loop never stalled.
 
 The full soak against the real model is ``nox -s soak`` (``benchmarks/soak.py``); this
 runs the same workload and the same checks in a few seconds.
@@ -13,9 +15,11 @@ from pathlib import Path
 from types import ModuleType
 
 from furnace_trio.engine import EngineConfig
+from furnace_trio.server.state import STATE_KEY
+from furnace_trio.tools.grammar import GrammarCompiler
 
 from . import scripted
-from .http_server import scripted_app
+from .http_server import scripted_app, smollm2_tokenizer
 
 SOAK_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
 
@@ -40,6 +44,10 @@ async def test_short_soak_loses_and_leaks_nothing() -> None:
     app, engines = scripted_app(
         runner, engine_config=EngineConfig(max_running=8, max_step_tokens=256)
     )
+    # as load_backend does for a real model: the llguidance tokenizer, built before serving
+    grammar = GrammarCompiler(smollm2_tokenizer())
+    grammar.warm()
+    app.extensions[STATE_KEY].grammar = grammar
     report = await soak.run_soak(
         app,
         lambda: engines[0],
@@ -59,3 +67,9 @@ async def test_short_soak_loses_and_leaks_nothing() -> None:
     assert report.outcomes["complete"] > 50
     assert report.outcomes["disconnected"] > 0
     assert not any(status >= 500 for status in report.statuses)
+    hostile = report.hostile
+    assert hostile is not None and not hostile.unexpected, hostile.unexpected
+    assert set(hostile.statuses) == {case.name for case in soak.hostile_cases()}
+    assert set(hostile.statuses["schema-44k"]) == {400}
+    assert set(hostile.statuses["fan-out"]) == {400}
+    assert hostile.statuses["schema-compiles"][200] >= 1

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from furnace_trio.engine import EngineConfig
 from furnace_trio.engine.backlog import TOKEN_BYTES, TOP_LOGPROB_BYTES, Backlog
-from furnace_trio.engine.engine import EngineConfig
 
 from ..scripted import EOS, ScriptedRunner, encode
 from ..server.waiting import engine_reaches

@@ -186,6 +186,23 @@ async def test_admission_refusals() -> None:
         assert engine.statistics().requests["rejected"] == 6
 
 
+async def test_the_queue_counts_sequences() -> None:
+    # submit is synchronous: until the engine task runs, everything submitted waits
+    runner = ScriptedRunner(block_size=4, num_blocks=64, max_context=64)
+    config = EngineConfig(max_running=4, max_waiting=4, max_step_tokens=16)
+    async with serving(runner, config) as engine:
+        three = engine.submit(request("a", n=3, max_tokens=2))
+        with pytest.raises(EngineBusy, match="3 sequences are waiting"):
+            engine.submit(request("b", n=2, max_tokens=2))
+        one = engine.submit(request("c", max_tokens=2))
+        with pytest.raises(EngineBusy):
+            engine.check_room(1)
+        assert engine.statistics().requests["rejected"] == 2
+        three.close()
+        engine.check_room(3)  # an aborted request gives its places back
+        one.close()
+
+
 async def test_request_waits_for_blocks_then_runs() -> None:
     # each request needs 5 of the 8 blocks: the second waits for the first to finish
     runner = ScriptedRunner(block_size=4, num_blocks=8, max_context=64)

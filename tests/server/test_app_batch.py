@@ -126,8 +126,11 @@ async def test_a_batch_the_queue_cannot_take_is_refused_whole() -> None:
             "/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPTS, "max_tokens": 5}
         )
         assert response.status_code == 503
+        assert response.headers["retry-after"] == "1"
         assert response.json()["error"]["code"] == "server_busy"
-        assert aborted(served) == 2  # the two it had taken
+        # refused before any prompt was queued: nothing to abort, nothing ran
+        assert aborted(served) == 0
+        assert served.engine.statistics().requests["rejected"] == 1
         await served.wait_idle()
         assert served.runner.plans == []
 

@@ -139,6 +139,72 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, str | None, str | None]] = [
         None,
     ),
     ("/v1/completions", "list of one list of strings", {"prompt": [["a"]]}, "prompt", None),
+    # Lone UTF-16 surrogates: valid JSON escapes that are not Unicode characters.
+    (
+        "/v1/chat/completions",
+        "lone surrogate in chat content",
+        b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}',
+        "messages",
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        "lone low surrogate in a content part",
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\uDC00 x"}]}]}',
+        "messages",
+        None,
+    ),
+    (
+        "/v1/completions",
+        "lone surrogate in a prompt",
+        b'{"prompt": "hi \\ud800"}',
+        "prompt",
+        None,
+    ),
+    (
+        "/v1/completions",
+        "high surrogate before a plain character",
+        b'{"prompt": ["ok", "\\ud83dx"]}',
+        "prompt",
+        None,
+    ),
+    ("/tokenize", "lone surrogate to tokenize", b'{"prompt": "hi \\ud800"}', "prompt", None),
+    (
+        "/tokenize",
+        "lone surrogate in messages to tokenize",
+        b'{"messages": [{"role": "user", "content": "hi \\udfff"}]}',
+        "messages",
+        None,
+    ),
+    # Number literals of thousands of digits (past the interpreter's int digit limit).
+    (
+        "/v1/chat/completions",
+        "temperature of 5,001 digits",
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1' + b"0" * 5000 + b"}",
+        None,
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        "seed of 100,000 digits",
+        b'{"messages": [{"role": "user", "content": "hi"}], "seed": 1' + b"0" * 99_999 + b"}",
+        None,
+        None,
+    ),
+    (
+        "/v1/completions",
+        "completion seed of 100,000 digits",
+        b'{"prompt": "hi", "seed": ' + b"9" * 100_000 + b"}",
+        None,
+        None,
+    ),
+    (
+        "/tokenize",
+        "an ignored field of 5,001 digits",
+        b'{"prompt": "hi", "x": 1' + b"0" * 5000 + b"}",
+        None,
+        None,
+    ),
 ]
 
 
@@ -175,6 +241,25 @@ async def test_hostile_request_is_a_clear_400(
         assert error["param"] == param, (what, error)
         assert error["code"] == code, (what, error)
         await _still_serves(http)
+    await served.wait_idle()
+
+
+async def test_surrogate_pairs_are_characters(served: Served) -> None:
+    """An escaped pair (how ``json.dumps`` writes an emoji) is one character, not an error."""
+    async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+        chat = b'{"messages": [{"role": "user", "content": "hi \\ud83d\\ude00"}]}'
+        response = await http.post(
+            "/v1/chat/completions", content=chat, headers={"Content-Type": "application/json"}
+        )
+        assert response.status_code == 200, response.text
+        tokens = await http.post(
+            "/tokenize",
+            content=b'{"prompt": "\\ud83d\\ude00", "return_token_strs": true}',
+            headers={"Content-Type": "application/json"},
+        )
+        assert tokens.status_code == 200, tokens.text
+        direct = await http.post("/tokenize", json={"prompt": "\U0001f600"})
+        assert tokens.json()["tokens"] == direct.json()["tokens"]
     await served.wait_idle()
 
 

@@ -15,7 +15,7 @@ import hypercorn.trio.tcp_server
 import pytest
 import trio
 
-from furnace_trio.engine.engine import EngineConfig
+from furnace_trio.engine import EngineConfig
 from furnace_trio.server import hypercorn_patch
 
 from .. import scripted

@@ -11,8 +11,8 @@ from furnace_trio.server.chat_request import parse_chat_request
 from furnace_trio.server.completion_request import parse_completion_request
 from furnace_trio.server.config import ConfigError, ServerConfig
 from furnace_trio.server.errors import APIError
-from furnace_trio.server.protocol import resolve_max_tokens
-from furnace_trio.server.schemas import MAX_PROMPTS
+from furnace_trio.server.protocol import json_values_bound, parse_json_body, resolve_max_tokens
+from furnace_trio.server.schemas import MAX_JSON_VALUES, MAX_PROMPTS
 
 VOCAB = 1000
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -265,8 +265,11 @@ def test_server_config_from_env() -> None:
             "FURNACE_QUANT": "q4",
             "FURNACE_STREAM_INTERVAL": "4",
             "FURNACE_KV_CACHE_DTYPE": "INT8",
+            "FURNACE_MAX_SEQUENCES_PER_REQUEST": "32",
+            "FURNACE_MAX_SCHEMA_NODES": "500",
         }
     )
+    assert config.max_sequences_per_request == 32 and config.max_schema_nodes == 500
     assert config.quantization == "q4" and config.kv_cache_dtype == "int8"
     assert config.stream_interval == 4
     assert config.model == "/models/x.gguf" and config.device == "cpu"
@@ -291,8 +294,39 @@ def test_server_config_from_env() -> None:
         ("FURNACE_KV_CACHE_DTYPE", "fp8"),
         ("FURNACE_NATIVE", "perhaps"),
         ("FURNACE_NATIVE_FLAGS", "-DX='unclosed"),
+        ("FURNACE_MAX_SEQUENCES_PER_REQUEST", "0"),
+        ("FURNACE_MAX_SCHEMA_NODES", "lots"),
     ],
 )
 def test_server_config_rejects_invalid_values(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=name):
         ServerConfig.from_env({name: value})
+
+
+def test_a_request_never_asks_for_more_sequences_than_the_queue_holds() -> None:
+    assert ServerConfig().sequences_per_request == 128
+    assert ServerConfig(max_waiting=20).sequences_per_request == 20
+
+
+def test_json_values_bound_is_an_upper_bound() -> None:
+    for value in [{}, [], [1, 2, 3], {"a": [1, {"b": None}], "c": "x"}, [[[]]], "s", 7]:
+        text = json.dumps(value).encode()
+        decoded = json.loads(text)
+        pending, count = [decoded], 0
+        while pending:
+            item = pending.pop()
+            count += 1
+            if isinstance(item, dict):
+                count += len(item)  # keys
+                pending.extend(item.values())
+            elif isinstance(item, list):
+                pending.extend(item)
+        assert json_values_bound(text) >= count, value
+
+
+def test_a_body_past_the_value_budget_is_refused_before_decoding() -> None:
+    body = b"[" + b"0," * MAX_JSON_VALUES + b"0]"
+    with pytest.raises(APIError) as info:
+        parse_json_body(body)
+    assert info.value.status == 400 and str(MAX_JSON_VALUES) in info.value.message
+    assert parse_json_body(b'{"x": [' + b"0," * (MAX_JSON_VALUES - 100) + b"0]}")

@@ -15,8 +15,8 @@ import httpx
 import pytest
 import trio
 
+from furnace_trio.engine import EngineConfig
 from furnace_trio.engine.backlog import TOKEN_BYTES, TOP_LOGPROB_BYTES
-from furnace_trio.engine.engine import EngineConfig
 from furnace_trio.server.backend import engine_config
 from furnace_trio.server.config import DEFAULT_MAX_RESPONSE_BYTES, ConfigError, ServerConfig
 

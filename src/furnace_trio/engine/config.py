@@ -16,7 +16,7 @@ class EngineConfig:
     """The engine's settings, validated once here (``ValueError`` on a bad value)."""
 
     max_running: int = 16  # sequences decoding at once
-    max_waiting: int = 256  # queued requests before EngineBusy
+    max_waiting: int = 256  # queued sequences (n per request) before EngineBusy
     max_step_tokens: int = 512  # tokens per step (decode tokens + prefill chunks)
     max_context: int | None = None  # default runner.max_context
     session_ttl_s: float = 1800.0  # idle sessions expire after this

@@ -185,6 +185,28 @@ class Engine:
         finally:
             self._changed.unpark_all()
 
+    def check_room(self, num_sequences: int) -> None:
+        """Raise :class:`EngineBusy` unless the queue can take ``num_sequences`` more.
+
+        The queue (``max_waiting``) counts sequences: a request of ``n`` samples takes ``n``
+        places, so one request cannot queue sixteen times its share. :meth:`submit` checks
+        each request; a caller about to submit several checks their sum first, so that a
+        batch is refused whole before any of it is queued.
+        """
+        try:
+            self._check_room(num_sequences)
+        except EngineBusy:
+            self._metrics.count("rejected")
+            raise
+
+    def _check_room(self, num_sequences: int) -> None:
+        waiting = self._scheduler.num_waiting_sequences
+        if waiting + num_sequences > self.config.max_waiting:
+            raise EngineBusy(
+                f"{waiting} sequences are waiting, and the queue holds "
+                f"{self.config.max_waiting}; this request needs {num_sequences}"
+            )
+
     def abort(self, request_id: str) -> None:
         """Drop a request in any state, freeing its KV blocks now; end its session turn
         uncommitted if it has one. Idempotent."""
@@ -373,8 +395,7 @@ class Engine:
             id_in_use=request.request_id in self._outbox or request.request_id in self._turns,
         )
         turn = request.turn
-        if self._scheduler.num_waiting >= self.config.max_waiting:
-            raise EngineBusy(f"{self._scheduler.num_waiting} requests are waiting")
+        self._check_room(params.n)
         if turn is not None:
             seed = self._turns.start(turn, request.request_id, params.seed)
             params = dataclasses.replace(params, seed=seed)

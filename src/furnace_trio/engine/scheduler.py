@@ -135,6 +135,7 @@ class Scheduler:
         self.waiting: deque[Group] = deque()
         self.running: dict[str, Group] = {}  # insertion order == admission order
         self._waiting_ids: dict[str, Group] = {}
+        self._num_waiting_samples = 0  # samples (n per request) of the waiting requests
         self._seqs: dict[int, Seq] = {}  # running sequences by seq id
         self._next_seq_id = 0
         self._num_slots = 0  # live samples of running requests
@@ -149,6 +150,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_waiting_sequences(self) -> int:
+        """Samples of the waiting requests (``n`` per request): what they will run as."""
+        return self._num_waiting_samples
 
     @property
     def num_running(self) -> int:
@@ -218,6 +224,7 @@ class Scheduler:
         group.num_live = params.n
         self.waiting.append(group)
         self._waiting_ids[request_id] = group
+        self._num_waiting_samples += params.n
 
     def abort(self, request_id: str, *, keep: bool = False) -> bool:
         """Drop a request in any state, freeing its blocks now. Whether it was known.
@@ -228,6 +235,7 @@ class Scheduler:
         group = self._waiting_ids.pop(request_id, None)
         if group is not None:
             self.waiting.remove(group)
+            self._num_waiting_samples -= group.params.n
             group.status = SeqStatus.FINISHED
             return True
         group = self.running.get(request_id)
@@ -433,6 +441,7 @@ class Scheduler:
             return False
         self.waiting.popleft()
         del self._waiting_ids[group.request_id]
+        self._num_waiting_samples -= group.params.n
         group.status = SeqStatus.RUNNING
         self.running[group.request_id] = group
         self._num_slots += group.params.n

@@ -17,6 +17,7 @@ from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.loading.generation_defaults import NO_GENERATION_DEFAULTS, GenerationDefaults
 from furnace_trio.loading.tokenizer import Tokenizer
 from furnace_trio.server.config import ServerConfig
+from furnace_trio.tools.grammar import GrammarCompiler
 
 if TYPE_CHECKING:
     from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
@@ -42,8 +43,9 @@ GPU_KV_FRACTION = 0.5
 @dataclass(slots=True)
 class Backend:
     """What the routes serve from: the engine, the tokenizer, the model's public name and
-    context, the model's sampling defaults (applied to what a request leaves unset) and
-    ``FURNACE_MAX_OUTPUT_TOKENS`` (``None``: no cap)."""
+    context, the model's sampling defaults (applied to what a request leaves unset),
+    ``FURNACE_MAX_OUTPUT_TOKENS`` (``None``: no cap), and ``grammar``, built with the model
+    (see :meth:`GrammarCompiler.warm`; ``None`` builds it on the first grammar request)."""
 
     engine: Engine
     tokenizer: Tokenizer
@@ -51,6 +53,7 @@ class Backend:
     max_context: int
     generation: GenerationDefaults = NO_GENERATION_DEFAULTS
     max_output_tokens: int | None = None
+    grammar: GrammarCompiler | None = None
 
 
 def _kv_cache_bytes(config: ServerConfig, device_type: str) -> int:
@@ -158,6 +161,8 @@ def load_backend(config: ServerConfig) -> Backend:
         raise
     tokenizer = loaded.tokenizer
     engine = build_engine(runner, tokenizer, config, device.type, thread)
+    grammar = GrammarCompiler(tokenizer)
+    grammar.warm()
     logger.info(
         "loaded %s in %.1f s; sampling defaults %s (%s); max output tokens %s",
         loaded.name,
@@ -173,4 +178,5 @@ def load_backend(config: ServerConfig) -> Backend:
         max_context=runner.max_context,
         generation=loaded.generation,
         max_output_tokens=config.max_output_tokens,
+        grammar=grammar,
     )

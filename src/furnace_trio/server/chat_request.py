@@ -1,8 +1,9 @@
 """``/v1/chat/completions`` bodies validated into :class:`ChatRequest`: the messages, the
 sampling fields, tools and ``tool_choice``, ``response_format`` and ``session_id``.
 
-Tool parameter schemas and ``response_format`` schemas are checked as JSON Schemas here,
-so that a bad one is a 400 naming it rather than a failure while compiling its grammar.
+Tool parameter schemas and ``response_format`` schemas are checked as JSON Schemas here
+(:mod:`~furnace_trio.server.schema_check`, under one size budget for the request), so that
+a bad or oversized one is a 400 naming it rather than a failure while compiling its grammar.
 """
 
 from __future__ import annotations
@@ -14,18 +15,18 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
 
-import jsonschema
-
 from furnace_trio.server.chat_messages import parse_messages
 from furnace_trio.server.errors import invalid_request
 from furnace_trio.server.protocol import (
     MISSING,
     FieldBody,
+    check_sequences,
     kind_of,
     parse_json_body,
     parse_stream,
 )
 from furnace_trio.server.sampling_options import SamplingOptions, parse_sampling
+from furnace_trio.server.schema_check import DEFAULT_MAX_SCHEMA_NODES, SchemaBudget, check_schema
 from furnace_trio.server.schemas import CHAT_FIELDS
 
 
@@ -71,12 +72,19 @@ class ResponseFormat:
 
 
 def parse_chat_request(
-    body: bytes, *, vocab_size: int, max_prompt_chars: int | None = None
+    body: bytes,
+    *,
+    vocab_size: int,
+    max_prompt_chars: int | None = None,
+    max_schema_nodes: int = DEFAULT_MAX_SCHEMA_NODES,
+    max_sequences: int | None = None,
 ) -> ChatRequest:
     """Validate a chat completions body; raise a 400 :class:`APIError` naming the field.
 
     ``max_prompt_chars`` (see :func:`max_prompt_chars`) refuses message text that cannot
-    fit the context before anything renders or tokenizes it.
+    fit the context before anything renders or tokenizes it; ``max_schema_nodes`` bounds
+    the tools' and ``response_format``'s schemas together; ``max_sequences`` bounds ``n``
+    (``FURNACE_MAX_SEQUENCES_PER_REQUEST``).
     """
     data = FieldBody(parse_json_body(body), CHAT_FIELDS)
     messages = parse_messages(data.raw("messages"), max_prompt_chars)
@@ -87,10 +95,12 @@ def parse_chat_request(
     max_tokens, max_tokens_param = data.get("max_completion_tokens"), "max_completion_tokens"
     if max_tokens is None:
         max_tokens, max_tokens_param = data.get("max_tokens"), "max_tokens"
-    tools = _tools(data.raw("tools"))
+    budget = SchemaBudget(max_schema_nodes)
+    tools = _tools(data.raw("tools"), budget)
     tool_choice, tool_function = _tool_choice(data.raw("tool_choice"), tools)
     parallel_tool_calls = data.get("parallel_tool_calls")
-    response_format = _response_format(data.raw("response_format"))
+    response_format = _response_format(data.raw("response_format"), budget)
+    check_sequences(data.get("n"), 1, max_sequences)
     stream, include_usage = parse_stream(data)
     return ChatRequest(
         model=data.get("model") or None,
@@ -120,18 +130,15 @@ def parse_chat_request(
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-def check_json_schema(schema: object, where: str) -> Mapping[str, Any]:
-    """``schema`` if it is a valid JSON Schema object, else a 400 naming ``where``."""
-    if not isinstance(schema, dict):
-        raise invalid_request(f"{where} must be a JSON schema object, not {kind_of(schema)}", where)
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        raise invalid_request(f"{where} is not a valid JSON schema: {exc.message}", where) from None
-    return schema
+def check_json_schema(
+    schema: object, where: str, budget: SchemaBudget | None = None
+) -> Mapping[str, Any]:
+    """``schema`` if it is a valid JSON Schema object within ``budget`` (default: one of
+    ``DEFAULT_MAX_SCHEMA_NODES`` values), else a 400 naming ``where``."""
+    return check_schema(schema, where, budget or SchemaBudget(DEFAULT_MAX_SCHEMA_NODES))
 
 
-def _tools(value: object) -> tuple[Mapping[str, Any], ...] | None:
+def _tools(value: object, budget: SchemaBudget) -> tuple[Mapping[str, Any], ...] | None:
     if value is None:
         return None
     if not isinstance(value, list):
@@ -168,7 +175,7 @@ def _tools(value: object) -> tuple[Mapping[str, Any], ...] | None:
             clean["description"] = description
         parameters = function.get("parameters")
         if parameters is not None:
-            clean["parameters"] = check_json_schema(parameters, f"{where}.function.parameters")
+            clean["parameters"] = check_schema(parameters, f"{where}.function.parameters", budget)
         tools.append(MappingProxyType({"type": "function", "function": clean}))
     return tuple(tools) or None
 
@@ -203,7 +210,7 @@ def _tool_choice(
     )
 
 
-def _response_format(value: object) -> ResponseFormat | None:
+def _response_format(value: object, budget: SchemaBudget) -> ResponseFormat | None:
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -242,7 +249,7 @@ def _response_format(value: object) -> ResponseFormat | None:
             return ResponseFormat("json_object", name=name)
         return ResponseFormat(
             "json_schema",
-            check_json_schema(schema, "response_format.json_schema.schema"),
+            check_schema(schema, "response_format.json_schema.schema", budget),
             name,
         )
     raise invalid_request(

@@ -11,6 +11,7 @@ from furnace_trio.server.errors import invalid_request
 from furnace_trio.server.protocol import (
     MISSING,
     FieldBody,
+    check_sequences,
     parse_json_body,
     parse_stream,
     parse_token_ids,
@@ -35,11 +36,19 @@ class CompletionRequest:
 
 
 def parse_completion_request(
-    body: bytes, *, vocab_size: int, max_prompt_chars: int | None = None
+    body: bytes,
+    *,
+    vocab_size: int,
+    max_prompt_chars: int | None = None,
+    max_sequences: int | None = None,
 ) -> CompletionRequest:
-    """Validate a (legacy) completions body; raise a 400 :class:`APIError` naming the field."""
+    """Validate a (legacy) completions body; raise a 400 :class:`APIError` naming the field.
+
+    ``max_sequences`` bounds prompts x ``n`` (``FURNACE_MAX_SEQUENCES_PER_REQUEST``).
+    """
     data = FieldBody(parse_json_body(body), COMPLETION_FIELDS)
     prompts = _prompts(data.raw("prompt"), vocab_size)
+    check_sequences(data.get("n"), len(prompts), max_sequences)
     for prompt in prompts:
         if (
             isinstance(prompt, str)

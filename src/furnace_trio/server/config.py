@@ -32,6 +32,10 @@ TOOL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3", "mistral")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 #: What a request may hold unsent before it pauses (``FURNACE_MAX_RESPONSE_BYTES``).
 DEFAULT_MAX_RESPONSE_BYTES = 1024 * 1024
+#: JSON values (objects, arrays, strings, numbers, booleans, nulls; keys not counted) that
+#: the schemas of one request may hold together (see server.schema_check). OpenAI's own
+#: structured-output limits (5,000 properties, 1,000 enum values) fit schemas of this order.
+DEFAULT_MAX_SCHEMA_NODES = 20_000
 
 
 class ConfigError(ValueError):
@@ -60,6 +64,9 @@ class ServerConfig:
     admin_key: str | None = None
     max_running: int | None = None
     max_waiting: int = 256
+    # Sequences (prompts x n) one request may ask for, and JSON values in its schemas.
+    max_sequences_per_request: int = 128
+    max_schema_nodes: int = DEFAULT_MAX_SCHEMA_NODES
     max_step_tokens: int | None = None
     kv_cache_mb: int | None = None
     kv_cache_dtype: str = "auto"
@@ -114,7 +121,14 @@ class ServerConfig:
             raise ConfigError(
                 f"log format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}"
             )
-        for name in ("max_waiting", "max_body_bytes", "max_response_bytes", "stream_interval"):
+        for name in (
+            "max_waiting",
+            "max_body_bytes",
+            "max_response_bytes",
+            "stream_interval",
+            "max_sequences_per_request",
+            "max_schema_nodes",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
         if self.session_ttl_s <= 0:
@@ -187,6 +201,9 @@ class ServerConfig:
             admin_key=text("FURNACE_ADMIN_KEY"),
             max_running=max_running,
             max_waiting=max_waiting if max_waiting is not None else defaults.max_waiting,
+            max_sequences_per_request=integer("FURNACE_MAX_SEQUENCES_PER_REQUEST")
+            or defaults.max_sequences_per_request,
+            max_schema_nodes=integer("FURNACE_MAX_SCHEMA_NODES") or defaults.max_schema_nodes,
             max_step_tokens=max_step_tokens,
             kv_cache_mb=integer("FURNACE_KV_CACHE_MB"),
             kv_cache_dtype=choice("FURNACE_KV_CACHE_DTYPE", KV_CACHE_DTYPES)
@@ -221,6 +238,12 @@ class ServerConfig:
             allowed_hosts=_names(environ, "FURNACE_ALLOWED_HOSTS", origins=False),
             cors_origins=_names(environ, "FURNACE_CORS_ORIGINS", origins=True),
         )
+
+    @property
+    def sequences_per_request(self) -> int:
+        """Most sequences (prompts x n) one request may ask for: a request larger than the
+        whole queue (``max_waiting``) could never be queued, so that bounds it too."""
+        return min(self.max_sequences_per_request, self.max_waiting)
 
     @property
     def log_level_number(self) -> int:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -260,11 +261,13 @@ def _submit_all(
     param: str,
     nursery: trio.Nursery | None,
 ) -> RequestStream | StreamGroup:
-    """Submit every request, or none: one that the engine refuses closes (aborts) those
-    already submitted."""
+    """Submit every request, or none: the queue is asked for room for all their sequences
+    first, and one that the engine refuses still closes (aborts) those already submitted."""
     if len(generations) == 1:
         return _submit(backend, generations[0], param)
     assert nursery is not None, "a batch of prompts is read in a nursery"
+    with _engine_refusals(backend, param):
+        backend.engine.check_room(sum(generation.params.n for generation in generations))
     streams: list[RequestStream] = []
     try:
         for generation in generations:
@@ -283,8 +286,19 @@ def _submit_all(
 
 def _submit(backend: Backend, generation: GenerationRequest, param: str) -> RequestStream:
     """Hand a request to the engine, register it for abort, map engine errors to HTTP."""
-    try:
+    with _engine_refusals(backend, param):
         stream = backend.engine.submit(generation)
+    register_abort(stream.request_id)
+    return stream
+
+
+@contextmanager
+def _engine_refusals(backend: Backend, param: str) -> Iterator[None]:
+    """The engine's refusals as HTTP errors: busy and draining are 503s with
+    ``Retry-After``, a request that can never fit a 503 the SDK does not retry, a rejected
+    one a 400 naming ``param`` (or the engine's own)."""
+    try:
+        yield
     except EngineBusy as exc:
         raise APIError(
             503,
@@ -307,5 +321,3 @@ def _submit(backend: Backend, generation: GenerationRequest, param: str) -> Requ
         raise APIError(
             503, f"The server cannot serve requests: {exc}", code="unavailable"
         ) from None
-    register_abort(stream.request_id)
-    return stream

@@ -14,6 +14,15 @@ Rules that keep the server safe from surprising input:
 
 - JSON is decoded from bytes by us (invalid UTF-8 and invalid JSON are 400s, whatever the
   content type says); the body must be an object.
+- A body is refused before it is decoded when it could hold more than
+  :data:`~furnace_trio.server.schemas.MAX_JSON_VALUES` values (counted from its commas,
+  colons and brackets, so strings full of them count too): decoding is C code that holds
+  the GIL throughout, so its cost must be bounded before it starts.
+- Decoding gives the interpreter a switch point per JSON object (an ``object_pairs_hook``
+  in Python), so a body decoded in a worker thread lets the event loop run meanwhile.
+- Every string is valid Unicode: a lone UTF-16 surrogate escape (``"\\ud800"``) is a 400
+  naming the field, not a failure later in the tokenizer or the response encoder. A
+  number beyond the interpreter's digit limit (4,300 digits) is a 400 too.
 - ``bool`` is never accepted where a number is expected (``True`` is an ``int`` in Python).
 - Unknown fields are ignored, as OpenAI does; known fields are checked strictly, and
   ``null`` means "not given".
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,12 +40,15 @@ from furnace_trio.server.errors import APIError, invalid_request
 from furnace_trio.server.schemas import (
     MAX_CHARS_PER_TOKEN,
     MAX_JSON_DEPTH,
+    MAX_JSON_VALUES,
     FieldSpec,
 )
 
 __all__ = [
     "MISSING",
     "FieldBody",
+    "check_sequences",
+    "json_values_bound",
     "kind_of",
     "max_prompt_chars",
     "parse_json_body",
@@ -50,7 +63,17 @@ MISSING: Any = object()
 
 
 def parse_json_body(body: bytes) -> dict[str, Any]:
-    """Decode a request body as a JSON object, or raise a 400 :class:`APIError`."""
+    """Decode a request body as a JSON object, or raise a 400 :class:`APIError`.
+
+    The cost is bounded by the body's size and :data:`MAX_JSON_VALUES`; call it from a
+    worker thread for bodies of any size (see :mod:`~furnace_trio.server.off_loop`).
+    """
+    values = json_values_bound(body)
+    if values > MAX_JSON_VALUES:
+        raise invalid_request(
+            f"request body holds up to {values} JSON values (counting its commas, colons and "
+            f"brackets); this server decodes at most {MAX_JSON_VALUES} per request"
+        )
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -58,18 +81,40 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
     if not text.strip():
         raise invalid_request("request body is empty; expected a JSON object")
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_object)
     except json.JSONDecodeError as exc:
         raise invalid_request(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise invalid_request("request body is nested too deeply") from None
+    except ValueError:  # int() past sys.get_int_max_str_digits(), the one other ValueError
+        raise invalid_request(
+            "request body holds a number with too many digits to decode"
+        ) from None
     if not isinstance(value, dict):
         raise invalid_request(f"request body must be a JSON object, not {kind_of(value)}")
     if _depth(value) > MAX_JSON_DEPTH:
         raise invalid_request(
             f"request body is nested too deeply (more than {MAX_JSON_DEPTH} levels)"
         )
+    if _SURROGATE_ESCAPE.search(body):
+        _check_surrogates(value)
     return value
+
+
+def json_values_bound(body: bytes) -> int:
+    """An upper bound on the JSON values (keys included) in ``body``, from its bytes alone.
+
+    A container of ``k`` members holds ``k - 1`` commas, and each object member a colon, so
+    values and keys number at most commas + colons + brackets + 1. Counting is ``memchr``
+    speed, about a millisecond per MiB for the four counts.
+    """
+    return body.count(b",") + body.count(b":") + body.count(b"[") + body.count(b"{") + 1
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # The same dict the decoder builds, through a Python frame: the interpreter may hand the
+    # GIL to another thread (the event loop) here, which the C decoder never does.
+    return dict(pairs)
 
 
 def _reject_constant(name: str) -> Any:
@@ -94,6 +139,32 @@ def _depth(value: object) -> int:
             return deepest
         pending.extend((child, level + 1) for child in items)
     return deepest
+
+
+#: A ``\uD800``-``\uDFFF`` escape: the only way a surrogate gets into a decoded string (the
+#: UTF-8 decoder refuses encoded ones). Pairs decode to one character; lone ones stay.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_surrogates(body: dict[str, Any]) -> None:
+    """A 400 naming the top-level field whose strings (or keys) hold a lone surrogate."""
+    for name, field_value in body.items():
+        pending: list[object] = [name, field_value]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, str):
+                if _SURROGATE.search(item):
+                    raise invalid_request(
+                        f"{name[:64]!r} holds a lone UTF-16 surrogate (an unpaired \\ud800-"
+                        "\\udfff escape), which is not a Unicode character",
+                        name if name.isidentifier() else None,
+                    )
+            elif isinstance(item, dict):
+                pending.extend(item.keys())
+                pending.extend(item.values())
+            elif isinstance(item, list):
+                pending.extend(item)
 
 
 class FieldBody:
@@ -145,6 +216,23 @@ def too_long(param: str, chars: int, limit: int) -> APIError:
         f"{limit} ({MAX_CHARS_PER_TOKEN} characters per token at most). Shorten the {param}.",
         param=param,
         code="context_length_exceeded",
+    )
+
+
+def check_sequences(n: int, prompts: int, limit: int | None) -> None:
+    """A 400 when ``prompts`` x ``n`` sequences exceed ``limit`` (``None``: no limit).
+
+    Every sequence is a slot in the queue and in the batch; one request may not take more
+    than ``FURNACE_MAX_SEQUENCES_PER_REQUEST`` of them, whatever the queue holds now.
+    """
+    if limit is None or n * prompts <= limit:
+        return
+    asked = f"{prompts} prompts x n = {n}" if prompts > 1 else f"n = {n}"
+    raise invalid_request(
+        f"{asked} asks for {n * prompts} sequences; this server generates at most {limit} "
+        "per request (FURNACE_MAX_SEQUENCES_PER_REQUEST, or FURNACE_MAX_WAITING where smaller). "
+        "Send fewer prompts or a smaller n.",
+        "n" if n > 1 else "prompt",
     )
 
 

@@ -19,6 +19,7 @@ import trio
 
 from furnace_trio.server.config import ServerConfig
 from furnace_trio.server.errors import APIError
+from furnace_trio.server.off_loop import OffLoop
 from furnace_trio.tools.grammar import GrammarCompiler
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class ServerState:
     tool_call_fallbacks: Counter[str] = field(default_factory=Counter)
 
     grammar: GrammarCompiler | None = None
+    off_loop: OffLoop = field(default_factory=OffLoop)  # threads for client-chosen work
     draining: bool = False
     in_flight: int = 0  # HTTP requests inside the app right now
     no_requests: trio.Event = field(default_factory=trio.Event)  # set while in_flight == 0

@@ -10,6 +10,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
@@ -23,7 +24,7 @@ from furnace_trio.server.chat_prompt import render_chat
 from furnace_trio.server.chat_request import ChatRequest, parse_chat_request
 from furnace_trio.server.errors import invalid_request
 from furnace_trio.server.generation import generate
-from furnace_trio.server.routes.common import read_generation
+from furnace_trio.server.routes.common import config_of, read_generation
 from furnace_trio.server.routes.sessions import session_busy, session_not_found
 from furnace_trio.server.sse import dumps
 from furnace_trio.server.state import ServerState
@@ -40,7 +41,13 @@ logger = logging.getLogger(__name__)
 def register(app: QuartTrio, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        backend, parsed = await read_generation(state, parse_chat_request)
+        config = config_of(state)
+        parse = partial(
+            parse_chat_request,
+            max_schema_nodes=config.max_schema_nodes,
+            max_sequences=config.sequences_per_request,
+        )
+        backend, parsed = await read_generation(state, parse)
         session_id = _session_id(parsed)
         if session_id is not None:
             return await _session_chat(state, backend, parsed, session_id)
@@ -97,10 +104,14 @@ async def prepare_chat(
         functools.partial(render_chat, backend, parsed, turn, instruct=not forced)
     )
     constraint = None
-    if parsed.response_format is not None or parsed.tool_choice in ("required", "function"):
+    calls_forced = parsed.tool_choice in ("required", "function")
+    if parsed.response_format is not None or calls_forced:
         if state.grammar is None:
-            state.grammar = GrammarCompiler(backend.tokenizer)
-        constraint = await trio.to_thread.run_sync(_constraint, state, backend, parsed)
+            state.grammar = backend.grammar or GrammarCompiler(backend.tokenizer)
+        constraint = await state.off_loop.compile(
+            partial(_constraint, state, backend, parsed),
+            "tools" if calls_forced else "response_format",
+        )
     return PreparedChat(prompt_ids, constraint, _tool_stream(state, backend, parsed))
 
 
@@ -173,7 +184,8 @@ def _constraint(
     """The grammar that enforces ``tool_choice`` required/named or ``response_format``.
 
     Forced calls are generated in the Hermes format; with another configured parser they
-    are left to the prompt (:func:`_grammar_forces_calls`). Runs in a worker thread (compiling takes milliseconds).
+    are left to the prompt (:func:`_grammar_forces_calls`). Runs in a worker thread under a
+    time budget (see :mod:`~furnace_trio.server.off_loop`).
     """
     compiler = state.grammar
     assert compiler is not None  # set by the handler before this runs; not user input

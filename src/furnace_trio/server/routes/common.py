@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from quart import request
 
+from furnace_trio.server.config import ServerConfig
 from furnace_trio.server.errors import APIError
 from furnace_trio.server.protocol import max_prompt_chars
 from furnace_trio.server.state import ServerState
@@ -34,6 +36,11 @@ async def read_body() -> bytes:
     return data if isinstance(data, bytes) else data.encode()
 
 
+def config_of(state: ServerState) -> ServerConfig:
+    """The serving configuration (the defaults until startup has read it)."""
+    return state.config if state.config is not None else ServerConfig()
+
+
 def check_model(backend: Backend, model: str | None) -> None:
     if model is not None and model != backend.model_name:
         raise APIError(
@@ -45,14 +52,18 @@ def check_model(backend: Backend, model: str | None) -> None:
 
 
 async def read_generation(state: ServerState, parse: GenerationParser[G]) -> tuple[Backend, G]:
-    """A generation request's body, validated against the serving backend (its vocabulary,
-    its context and its model name)."""
+    """A generation request's body, validated in a worker thread (see
+    :mod:`~furnace_trio.server.off_loop`) against the serving backend (its vocabulary, its
+    context and its model name)."""
     body = await read_body()
     backend = state.serving_backend()
-    parsed = parse(
-        body,
-        vocab_size=backend.tokenizer.vocab_size,
-        max_prompt_chars=max_prompt_chars(backend.max_context),
+    parsed = await state.off_loop.parse(
+        partial(
+            parse,
+            body,
+            vocab_size=backend.tokenizer.vocab_size,
+            max_prompt_chars=max_prompt_chars(backend.max_context),
+        )
     )
     check_model(backend, parsed.model)
     return backend, parsed

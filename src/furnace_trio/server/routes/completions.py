@@ -8,6 +8,7 @@ hold a nursery of its own across a ``yield``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
@@ -16,7 +17,7 @@ from quart_trio import QuartTrio
 
 from furnace_trio.server.completion_request import parse_completion_request
 from furnace_trio.server.generation import generate
-from furnace_trio.server.routes.common import read_generation
+from furnace_trio.server.routes.common import config_of, read_generation
 from furnace_trio.server.state import ServerState
 
 if TYPE_CHECKING:
@@ -26,7 +27,11 @@ if TYPE_CHECKING:
 def register(app: QuartTrio, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions() -> Response:
-        backend, parsed = await read_generation(state, parse_completion_request)
+        parse = partial(
+            parse_completion_request,
+            max_sequences=config_of(state).sequences_per_request,
+        )
+        backend, parsed = await read_generation(state, parse)
         prompts = parsed.prompts
         if any(isinstance(prompt, str) for prompt in prompts):
             prompt_ids = await trio.to_thread.run_sync(_encode_prompts, backend, prompts)

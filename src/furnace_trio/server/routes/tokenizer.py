@@ -7,6 +7,7 @@ and behind the API key like it.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -38,8 +39,10 @@ def register(app: QuartTrio, state: ServerState) -> None:
     async def tokenize() -> dict[str, Any]:
         body = await read_body()
         backend = state.serving_backend()
-        parsed = parse_tokenize_request(
-            body, max_prompt_chars=max_prompt_chars(backend.max_context)
+        parsed = await state.off_loop.parse(
+            partial(
+                parse_tokenize_request, body, max_prompt_chars=max_prompt_chars(backend.max_context)
+            )
         )
         check_model(backend, parsed.model)
         tokens = await trio.to_thread.run_sync(_tokenize, backend, parsed)
@@ -56,7 +59,9 @@ def register(app: QuartTrio, state: ServerState) -> None:
     async def detokenize() -> dict[str, Any]:
         body = await read_body()
         backend = state.serving_backend()
-        model, ids = parse_detokenize_request(body, vocab_size=backend.tokenizer.vocab_size)
+        model, ids = await state.off_loop.parse(
+            partial(parse_detokenize_request, body, vocab_size=backend.tokenizer.vocab_size)
+        )
         check_model(backend, model)
         text = await trio.to_thread.run_sync(_detokenize, backend, ids)
         return {"prompt": text}
