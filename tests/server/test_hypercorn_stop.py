@@ -110,7 +110,14 @@ async def hypercorn(nursery: trio.Nursery, **env: str) -> AsyncIterator[Server]:
 
 
 async def read_stream(url: str, events: list[Any], max_tokens: int) -> None:
-    body = {"messages": MESSAGES, "stream": True, "max_tokens": max_tokens, "temperature": 0}
+    # ignore_eos: the stream runs its max_tokens (a greedy answer may end within the drain)
+    body = {
+        "messages": MESSAGES,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     async with (
         httpx.AsyncClient(base_url=url, timeout=120) as http,
         http.stream("POST", "/v1/chat/completions", json=body) as response,
