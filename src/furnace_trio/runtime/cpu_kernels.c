@@ -431,8 +431,11 @@ int furnace_q4_group(void) { return Q4_GROUP; }
 #define Q8_QUAD_BYTES (4 * PW)
 #define Q8_BLOCK (Q4_GROUP / 4 * Q8_QUAD_BYTES + 2 * PW)
 
-/* Per row and group of x [M, K]: codes a [M, K], scale s and sum [M, K / Q4_GROUP]. */
-void furnace_q8_rows(const float *x, int64_t M, int64_t K, int8_t *a, float *s, float *sum) {
+/* Per row and group of x [M, K]: codes a [M, K], scale s and sum [M, K / Q4_GROUP]: the exact
+ * sum of the group's x, or with rounded_sum s times the sum of its codes (what an offset
+ * term multiplied with the rounded activations needs: Q4_0's and Q5_0's, as ggml's). */
+static void q8_rows(const float *x, int64_t M, int64_t K, int8_t *a, float *s, float *sum,
+                    int rounded_sum) {
     const int64_t n = M * (K / Q4_GROUP);
 #pragma omp parallel for schedule(static) if (M * K >= 8 * PARALLEL_ELEMENTS)
     for (int64_t i = 0; i < n; i++) {
@@ -452,8 +455,17 @@ void furnace_q8_rows(const float *x, int64_t M, int64_t K, int8_t *a, float *s, 
         }
         const float inv = 127.0f / amax;
         s[i] = amax / 127.0f;
-        for (int j = 0; j < Q4_GROUP; j++) ag[j] = (int8_t)nearbyintf(xg[j] * inv);
+        int codes = 0;
+        for (int j = 0; j < Q4_GROUP; j++) {
+            ag[j] = (int8_t)nearbyintf(xg[j] * inv);
+            codes += ag[j];
+        }
+        if (rounded_sum) sum[i] = s[i] * (float)codes;
     }
+}
+
+void furnace_q8_rows(const float *x, int64_t M, int64_t K, int8_t *a, float *s, float *sum) {
+    q8_rows(x, M, K, a, s, sum, 0);
 }
 
 /* Zeroes R rows of integer accumulators. */

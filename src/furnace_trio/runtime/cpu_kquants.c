@@ -357,17 +357,12 @@ int furnace_kq_linear(int type, const float *x, int64_t M, int64_t K, const uint
     if (bk == QK) {
         furnace_q8k_rows(x, M, K, a, (q8k_sums *)scratch);
     } else {
-        float *s = (float *)scratch, *sum = s + M * groups;
-        furnace_q8_rows(x, M, K, a, s, sum);
         /* The offset term (d (q - 8), d (q - 16)) takes the rounded activations' sum, as
          * ggml's dot products do: the rounding errors then meet the centred codes, where
          * with the exact sum the codes 0 .. 15 (or 31) met them plus an uncancelled 8 (16)
          * times the errors' sum (about 1% of perplexity on Q4_0). */
-        for (int64_t i = 0; i < M * groups; i++) {
-            int total = 0;
-            for (int j = 0; j < Q4_GROUP; j++) total += a[i * Q4_GROUP + j];
-            sum[i] = s[i] * (float)total;
-        }
+        float *s = (float *)scratch;
+        q8_rows(x, M, K, a, s, s + M * groups, 1);
     }
     const int64_t panels = (N + PW - 1) / PW, panel_bytes = groups * kq_block_bytes(type);
     int failed = 0;
