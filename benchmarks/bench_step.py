@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from furnace_trio.loading.loader import load_model
-from furnace_trio.runtime.model import KVCache
+from furnace_trio.runtime.kv_cache import KVCache
 
 
 def _plans(

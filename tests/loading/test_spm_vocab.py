@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from furnace_trio.loading.tokenizer import Tokenizer, read_gguf_metadata
+from furnace_trio.loading.gguf_vocab import read_gguf_metadata
+from furnace_trio.loading.tokenizer import Tokenizer
 
 from ..real_model import gemma3_gguf
 

@@ -10,8 +10,9 @@ import pytest
 from tokenizers import AddedToken, decoders
 from tokenizers import Tokenizer as HFTokenizer
 
+from furnace_trio.loading.gguf_vocab import read_gguf_metadata
 from furnace_trio.loading.model_config import UnsupportedModelError
-from furnace_trio.loading.tokenizer import Tokenizer, read_gguf_metadata
+from furnace_trio.loading.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.model
 

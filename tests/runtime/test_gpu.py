@@ -12,7 +12,8 @@ import trio
 
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import ChunkPlan, SampleSpec, StepPlan
-from furnace_trio.runtime.model import KVCache, Transformer
+from furnace_trio.runtime.kv_cache import KVCache
+from furnace_trio.runtime.model import Transformer
 from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
 from furnace_trio.server.app import create_app
 from furnace_trio.server.backend import DEFAULT_KV_CACHE_MB_CPU

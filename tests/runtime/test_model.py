@@ -19,12 +19,14 @@ from transformers import AutoModelForCausalLM
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import ChunkPlan, SampleSpec, StepPlan
 from furnace_trio.loading.hf_loader import load_hf_directory
-from furnace_trio.runtime import model as model_module
 from furnace_trio.runtime import runner as runner_module
-from furnace_trio.runtime.model import PrefillBatch, RMSNorm, chunk_attention, chunk_mask
+from furnace_trio.runtime import step_inputs as step_inputs_module
+from furnace_trio.runtime.attention import chunk_attention
+from furnace_trio.runtime.layers import RMSNorm
 from furnace_trio.runtime.native import quantize_kv_rows
 from furnace_trio.runtime.quant import NativeQ4Linear, dequantize_q4, quantize_q4
 from furnace_trio.runtime.runner import KV_DTYPES, ModelRunner, RunnerConfig, build_inputs
+from furnace_trio.runtime.step_inputs import PrefillBatch, chunk_mask
 from furnace_trio.server import config as server_config
 
 from .._model_fixtures import GEMMA3_WINDOW, write_tiny_model
@@ -221,10 +223,10 @@ def test_prefill_batches_only_when_it_pays(tmp_path: Path, monkeypatch: pytest.M
     one = build_inputs(StepPlan(plan.chunks[:1]), BLOCK, cpu)
     assert PrefillBatch.build(one, BLOCK, torch.float32, 1) is None
     # 2 rows x 3 keys x 3 queries in the mask; x 4 elements per key when heads x size = 4.
-    monkeypatch.setattr(model_module, "PREFILL_BATCH_ELEMENTS", 2 * 3 * 3)
+    monkeypatch.setattr(step_inputs_module, "PREFILL_BATCH_ELEMENTS", 2 * 3 * 3)
     assert PrefillBatch.build(inputs, BLOCK, torch.float32, 1) is not None
     assert PrefillBatch.build(inputs, BLOCK, torch.float32, 4) is None
-    monkeypatch.setattr(model_module, "PREFILL_BATCH_ELEMENTS", 2 * 3 * 3 - 1)
+    monkeypatch.setattr(step_inputs_module, "PREFILL_BATCH_ELEMENTS", 2 * 3 * 3 - 1)
     assert PrefillBatch.build(inputs, BLOCK, torch.float32, 1) is None
 
 

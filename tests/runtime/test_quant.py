@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from furnace_trio.loading.loader import LoadedModel
-from furnace_trio.runtime.model import Linear
+from furnace_trio.runtime.layers import Linear
 from furnace_trio.runtime.quant import (
     QUANTIZATIONS,
     Int8Linear,

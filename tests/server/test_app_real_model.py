@@ -148,7 +148,7 @@ async def test_int8_kv_cache_from_the_server_settings() -> None:
     still names Paris, streamed and not alike."""
     import httpx
 
-    from furnace_trio.runtime.model import KVCache
+    from furnace_trio.runtime.kv_cache import KVCache
     from furnace_trio.server.app import create_app
     from furnace_trio.server.config import ServerConfig
 

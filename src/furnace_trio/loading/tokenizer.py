@@ -1,19 +1,11 @@
-"""The model's tokenizer: Hugging Face ``tokenizers`` built from ``tokenizer.json`` or a GGUF.
+"""The model's tokenizer: one class, :class:`Tokenizer`, over Hugging Face ``tokenizers``,
+whatever the source, so the rest of the server never asks where the model came from.
 
-One class, :class:`Tokenizer`, whatever the source, so the rest of the server never asks
-where the model came from. Two constructors:
-
-- :meth:`Tokenizer.from_hf_directory`: ``tokenizer.json`` as is, ``tokenizer_config.json``
-  for BOS/EOS, ``add_bos_token``, added tokens and the chat template (a
-  ``chat_template.jinja`` file overrides it), ``generation_config.json`` for extra EOS ids.
-- :meth:`Tokenizer.from_gguf`: a byte-level BPE rebuilt from the GGUF metadata (tokens,
-  merges, token types) with the pre-tokenizer named by ``tokenizer.ggml.pre``. The split
-  rules per name follow llama.cpp's ``llama-vocab.cpp``, which reproduces each model's
-  original ``tokenizer.json``. Note that ``transformers`` ignores ``smollm`` (it falls
-  back to plain GPT-2 splitting): SmolLM2 was trained with single-digit splitting
-  *before* the GPT-2 regex, which we keep, so the two differ on whitespace followed by a
-  digit (``"a  1"``). A SentencePiece (``llama``) GGUF vocabulary, Gemma's for one, becomes
-  a BPE ranked by the tokens' scores (:mod:`furnace_trio.loading.spm_vocab`).
+- :meth:`Tokenizer.from_hf_directory`: a Hugging Face directory's files
+  (:mod:`furnace_trio.loading.hf_tokenizer`).
+- :meth:`Tokenizer.from_gguf` / :meth:`Tokenizer.from_gguf_fields`: a GGUF's vocabulary
+  (:mod:`furnace_trio.loading.gguf_vocab`).
+- Each id's bytes and the decode table: :mod:`furnace_trio.loading.token_bytes`.
 
 BOS handling: ``encode(text)`` adds BOS exactly when the model says so
 (``add_bos_token``), never twice; chat prompts are rendered to text with
@@ -28,28 +20,22 @@ only the template's own markers become special tokens.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from functools import cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from furnace_trio.loading.gguf_file import read_gguf
+from furnace_trio.loading.gguf_vocab import gguf_tokenizer, read_gguf_metadata
+from furnace_trio.loading.hf_tokenizer import read_hf_tokenizer
 from furnace_trio.loading.model_config import UnsupportedModelError
-from furnace_trio.loading.spm_vocab import build_spm_tokenizer
+from furnace_trio.loading.token_bytes import TokenBytes
+from furnace_trio.loading.tokenizer_parts import TokenizerParts
 from furnace_trio.text.chat_template import ChatTemplateError, compile_chat_template
 from furnace_trio.text.special_text import ChatText, SpecialTexts, new_marker
 
 logger = logging.getLogger(__name__)
-
-# GGUF token types (llama.cpp's llama_token_type).
-_TOKEN_NORMAL = 1
-_TOKEN_CONTROL = 3
-_TOKEN_USER_DEFINED = 4
 
 # Texts of control tokens that end a generation, whatever the metadata names as EOS
 # (llama.cpp applies the same list): a chat model ends its turn with one and may emit
@@ -73,153 +59,6 @@ EOS_LIKE_TOKENS = frozenset(
     }
 )
 
-# Pre-tokenizer split patterns, as in each model's tokenizer.json / llama-vocab.cpp.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# name -> (kind, ignore_merges). kind: "gpt2" = the GPT-2 regex inside ByteLevel;
-# "digits+gpt2" = each digit split off first (StarCoder, SmolLM); otherwise a Split regex.
-_PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
-    "default": ("gpt2", False),
-    "gpt2": ("gpt2", False),
-    "gpt-2": ("gpt2", False),
-    "mpt": ("gpt2", False),
-    "olmo": ("gpt2", False),
-    "jais": ("gpt2", False),
-    "smollm": ("digits+gpt2", False),
-    "starcoder": ("digits+gpt2", False),
-    "refact": ("digits+gpt2", False),
-    "codeshell": ("digits+gpt2", False),
-    "command-r": ("digits+gpt2", False),
-    "llama-bpe": (_LLAMA3_SPLIT, True),
-    "llama3": (_LLAMA3_SPLIT, True),
-    "llama-v3": (_LLAMA3_SPLIT, True),
-    "dbrx": (_LLAMA3_SPLIT, False),
-    "smaug-bpe": (_LLAMA3_SPLIT, False),
-    "qwen2": (_QWEN2_SPLIT, False),
-    "deepseek-r1-qwen": (_QWEN2_SPLIT, False),
-    "stablelm2": (_QWEN2_SPLIT, False),
-}
-SUPPORTED_GGUF_PRE_TOKENIZERS = tuple(sorted(_PRE_TOKENIZERS))
-
-
-@cache
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's printable-character alphabet for bytes, inverted (char -> byte)."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
-
-
-def _build_pre_tokenizer(name: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
-    try:
-        kind, ignore_merges = _PRE_TOKENIZERS[name]
-    except KeyError:
-        raise UnsupportedModelError(
-            f"unsupported GGUF pre-tokenizer {name!r}; supported: "
-            f"{', '.join(SUPPORTED_GGUF_PRE_TOKENIZERS)}"
-        ) from None
-    if kind == "gpt2":
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), ignore_merges
-    if kind == "digits+gpt2":
-        return (
-            pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Digits(individual_digits=True),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-                ]
-            ),
-            ignore_merges,
-        )
-    return (
-        pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(kind), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        ),
-        ignore_merges,
-    )
-
-
-def _byte_level_bpe(tokens: list[str], merges_raw: list[str], pre_name: str) -> HFTokenizer:
-    """A byte-level BPE (``tokenizer.ggml.model`` ``gpt2``) of a GGUF's tokens and merges."""
-    if not merges_raw:
-        raise UnsupportedModelError("GGUF tokenizer lacks merges")
-    vocab: dict[str, int] = {}
-    for index, token in enumerate(tokens):
-        vocab.setdefault(token, index)  # first wins, as in llama.cpp
-    merges: list[tuple[str, str]] = []
-    for merge in merges_raw:
-        left, sep, right = merge.partition(" ")
-        if not sep or not left or not right:
-            raise UnsupportedModelError(f"malformed GGUF merge {merge!r}")
-        merges.append((left, right))
-    pre_tokenizer, ignore_merges = _build_pre_tokenizer(pre_name)
-    hf = HFTokenizer(
-        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=ignore_merges)
-    )
-    hf.pre_tokenizer = pre_tokenizer
-    hf.decoder = decoders.ByteLevel()
-    return hf
-
-
-def _token_content(value: Any) -> str | None:
-    """A special token in tokenizer_config.json is a string or ``{"content": ...}``."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UnsupportedModelError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise UnsupportedModelError(f"{path} does not hold a JSON object")
-    return data
-
-
-def _pick_chat_template(value: Any) -> str | None:
-    """``chat_template`` is a string, or a list of ``{"name", "template"}`` (use "default")."""
-    if isinstance(value, str):
-        return value or None
-    if isinstance(value, list):
-        named = {
-            item["name"]: item["template"]
-            for item in value
-            if isinstance(item, Mapping) and isinstance(item.get("template"), str)
-        }
-        return named.get("default") or next(iter(named.values()), None)
-    return None
-
-
-def _int_ids(value: Any) -> list[int]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
-
 
 class Tokenizer:
     """Text <-> token ids, special tokens and the chat template of one model.
@@ -232,9 +71,7 @@ class Tokenizer:
     """
 
     __slots__ = (
-        "_added_bytes",
-        "_byte_level",
-        "_byte_level_only",
+        "_bytes",
         "_eos_token",
         "_hf",
         "_post_adds_bos",
@@ -269,7 +106,7 @@ class Tokenizer:
         self.chat_template: str | None = chat_template
 
         added = hf.get_added_tokens_decoder()
-        self._added_bytes: dict[int, bytes] = {i: t.content.encode() for i, t in added.items()}
+        self._bytes = TokenBytes(hf)
         #: What client text in a conversation must not become (see :meth:`encode_chat`).
         self.special_texts = SpecialTexts.of(t.content for t in added.values() if t.special)
         #: The marker of every rendering by this tokenizer: random per process, so no
@@ -284,9 +121,6 @@ class Tokenizer:
         self._eos_token: str | None = (
             hf.id_to_token(eos_token_id) if eos_token_id is not None else None
         )
-        decoder = json.loads(hf.to_str()).get("decoder") or {}
-        self._byte_level = "ByteLevel" in json.dumps(decoder)
-        self._byte_level_only = decoder.get("type") == "ByteLevel"
         probe = hf.encode("", add_special_tokens=True).ids
         self._post_adds_bos = bool(probe) and probe[0] == bos_token_id
         if self.chat_template is not None:
@@ -298,62 +132,22 @@ class Tokenizer:
     # -- constructors -------------------------------------------------------------------
 
     @classmethod
+    def of(cls, parts: TokenizerParts) -> Tokenizer:
+        """The tokenizer of what a source's reader found."""
+        return cls(
+            parts.hf,
+            bos_token_id=parts.bos_token_id,
+            eos_token_id=parts.eos_token_id,
+            extra_eos_token_ids=parts.extra_eos_token_ids,
+            add_bos_token=parts.add_bos_token,
+            chat_template=parts.chat_template,
+        )
+
+    @classmethod
     def from_hf_directory(cls, path: str | Path) -> Tokenizer:
         """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``,
         ``generation_config.json`` when present) from a Hugging Face model directory."""
-        root = Path(path)
-        tokenizer_file = root / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise UnsupportedModelError(f"{root} has no tokenizer.json")
-        try:
-            hf = HFTokenizer.from_file(str(tokenizer_file))
-        except Exception as exc:  # the Rust side raises plain Exception on bad files
-            raise UnsupportedModelError(f"cannot load {tokenizer_file}: {exc}") from exc
-
-        config_file = root / "tokenizer_config.json"
-        config = _read_json(config_file) if config_file.is_file() else {}
-        _add_config_tokens(hf, config.get("added_tokens_decoder"))
-
-        def token_id(key: str) -> int | None:
-            content = _token_content(config.get(key))
-            return hf.token_to_id(content) if content is not None else None
-
-        bos_token_id = token_id("bos_token")
-        eos_token_id = token_id("eos_token")
-        extra_eos: list[int] = []
-        generation_file = root / "generation_config.json"
-        if generation_file.is_file():
-            generation = _read_json(generation_file)
-            extra_eos = _int_ids(generation.get("eos_token_id"))
-            if bos_token_id is None:
-                bos_ids = _int_ids(generation.get("bos_token_id"))
-                bos_token_id = bos_ids[0] if bos_ids else None
-            if eos_token_id is None and extra_eos:
-                eos_token_id = extra_eos[0]
-
-        chat_template = _pick_chat_template(config.get("chat_template"))
-        jinja_file = root / "chat_template.jinja"
-        json_template_file = root / "chat_template.json"
-        if jinja_file.is_file():
-            chat_template = jinja_file.read_text(encoding="utf-8")
-        elif json_template_file.is_file():
-            chat_template = (
-                _pick_chat_template(_read_json(json_template_file).get("chat_template"))
-                or chat_template
-            )
-
-        add_bos = config.get("add_bos_token")
-        probe = hf.encode("", add_special_tokens=True).ids
-        post_adds_bos = bool(probe) and probe[0] == bos_token_id
-        return cls(
-            hf,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            extra_eos_token_ids=extra_eos,
-            # Unset: trust tokenizer.json's post-processor, as transformers does.
-            add_bos_token=post_adds_bos if add_bos is None else bool(add_bos),
-            chat_template=chat_template,
-        )
+        return cls.of(read_hf_tokenizer(path))
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
@@ -371,71 +165,7 @@ class Tokenizer:
         Split out from :meth:`from_gguf` so a loader that has the reader open does not
         parse the file twice.
         """
-        model = fields.get("tokenizer.ggml.model")
-        if model not in ("gpt2", "llama"):
-            raise UnsupportedModelError(
-                f"GGUF tokenizer model {model!r} is not supported "
-                "(byte-level BPE 'gpt2' and SentencePiece 'llama' are)"
-            )
-        tokens = list(fields.get("tokenizer.ggml.tokens") or ())
-        if not tokens:
-            raise UnsupportedModelError("GGUF tokenizer lacks tokens")
-        types = list(fields.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens))
-        if len(types) != len(tokens):
-            raise UnsupportedModelError("GGUF token_type and tokens differ in length")
-        if model == "llama":
-            pre_name = "spm"
-            hf = build_spm_tokenizer(
-                tokens,
-                list(fields.get("tokenizer.ggml.scores") or ()),
-                types,
-                add_space_prefix=bool(fields.get("tokenizer.ggml.add_space_prefix", True)),
-            )
-        else:
-            pre_name = fields.get("tokenizer.ggml.pre") or "default"
-            hf = _byte_level_bpe(tokens, list(fields.get("tokenizer.ggml.merges") or ()), pre_name)
-        vocab_size = len(set(tokens))
-
-        control = [
-            AddedToken(tok, special=True, normalized=False)
-            for tok, kind in zip(tokens, types, strict=True)
-            if kind == _TOKEN_CONTROL
-        ]
-        user = [
-            AddedToken(tok, special=False, normalized=False)
-            for tok, kind in zip(tokens, types, strict=True)
-            if kind == _TOKEN_USER_DEFINED
-        ]
-        hf.add_special_tokens(control)
-        hf.add_tokens(user)
-        if vocab_size != len(tokens):
-            logger.warning(
-                "GGUF vocabulary repeats %d token texts; the later ids are unreachable",
-                len(tokens) - vocab_size,
-            )
-
-        def opt_id(key: str) -> int | None:
-            value = fields.get(key)
-            return int(value) if value is not None else None
-
-        extra_eos = [
-            i
-            for i in (opt_id("tokenizer.ggml.eot_token_id"), opt_id("tokenizer.ggml.eom_token_id"))
-            if i is not None
-        ]
-        add_bos = fields.get("tokenizer.ggml.add_bos_token")
-        if add_bos is None:
-            add_bos = False
-        template = fields.get("tokenizer.chat_template")
-        logger.debug("GGUF tokenizer: %d tokens, pre-tokenizer %r", len(tokens), pre_name)
-        return cls(
-            hf,
-            bos_token_id=opt_id("tokenizer.ggml.bos_token_id"),
-            eos_token_id=opt_id("tokenizer.ggml.eos_token_id"),
-            extra_eos_token_ids=extra_eos,
-            add_bos_token=bool(add_bos),
-            chat_template=template if isinstance(template, str) and template else None,
-        )
+        return cls.of(gguf_tokenizer(fields))
 
     # -- encoding and decoding ----------------------------------------------------------
 
@@ -477,22 +207,7 @@ class Tokenizer:
     def token_to_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (OpenAI logprobs' ``bytes``); may be a
         fragment of a UTF-8 character. Unknown ids give ``b""``."""
-        added = self._added_bytes.get(token_id)
-        if added is not None:
-            return added
-        piece = self._hf.id_to_token(token_id)
-        if piece is None:
-            return b""
-        if self._byte_level:
-            table = _byte_decoder()
-            return b"".join(bytes([table[c]]) if c in table else c.encode() for c in piece)
-        # SentencePiece-style vocabularies: "▁" is a space, "<0x0A>" a raw byte.
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            try:
-                return bytes([int(piece[3:5], 16)])
-            except ValueError:
-                pass
-        return piece.replace("▁", " ").encode()
+        return self._bytes.of(token_id)
 
     def decode_table(self) -> list[bytes] | None:
         """The bytes each id adds to :meth:`decode` (special tokens skipped, its default)
@@ -502,29 +217,7 @@ class Tokenizer:
         what decoding its id alone gives. For
         :class:`~furnace_trio.text.detokenizer.ByteDetokenizer`; one pass over the vocabulary
         (about 50 ms for SmolLM2's 49,152 ids)."""
-        if not self._byte_level_only:
-            return None
-        hf = self._hf
-        texts = hf.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=True)
-        special = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
-        table = _byte_decoder()
-        entries: list[bytes] = []
-        for token_id, text in enumerate(texts):
-            if token_id in special:
-                entry = b""
-            elif "\ufffd" not in text:
-                entry = text.encode()  # valid UTF-8: these are its bytes
-            else:  # part of a character: the byte-level decoder's own rule
-                piece = hf.id_to_token(token_id) or ""
-                if all(c in table for c in piece):
-                    entry = bytes(table[c] for c in piece)
-                else:
-                    entry = piece.encode()
-            if entry.decode("utf-8", errors="replace") != text:
-                logger.warning("token %d does not decode as its bytes; no decode table", token_id)
-                return None
-            entries.append(entry)
-        return entries
+        return self._bytes.decode_table(self.vocab_size)
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a vocabulary entry given its text (e.g. ``"<|im_end|>"``), or ``None``."""
@@ -596,44 +289,4 @@ class Tokenizer:
         )
 
 
-def read_gguf_metadata(path: str | Path, *, prefix: str = "") -> dict[str, Any]:
-    """The key/value metadata of a GGUF file whose keys start with ``prefix`` (no tensor
-    data is read); unreadable files raise :class:`UnsupportedModelError`."""
-    try:
-        metadata = read_gguf(path).metadata
-    except OSError as exc:
-        raise UnsupportedModelError(f"cannot read GGUF metadata from {path}: {exc}") from exc
-    except ValueError as exc:
-        if isinstance(exc, UnsupportedModelError):
-            raise
-        raise UnsupportedModelError(f"{path}: truncated or corrupt GGUF metadata: {exc}") from exc
-    return {k: v for k, v in metadata.items() if k.startswith(prefix)}
-
-
-def _add_config_tokens(hf: HFTokenizer, added_tokens_decoder: Any) -> None:
-    """Make sure tokens listed in tokenizer_config.json's ``added_tokens_decoder`` match
-    whole (tokenizer.json normally lists them already; older exports sometimes do not)."""
-    if not isinstance(added_tokens_decoder, Mapping):
-        return
-    known = {t.content for t in hf.get_added_tokens_decoder().values()}
-    for raw_id, spec in added_tokens_decoder.items():
-        content = _token_content(spec)
-        if content is None or content in known:
-            continue
-        special = bool(spec.get("special", True)) if isinstance(spec, Mapping) else True
-        token = AddedToken(content, special=special, normalized=False)
-        if special:
-            hf.add_special_tokens([token])
-        else:
-            hf.add_tokens([token])
-        got = hf.token_to_id(content)
-        if str(got) != str(raw_id):
-            logger.warning("added token %r got id %s, config says %s", content, got, raw_id)
-
-
-__all__ = [
-    "EOS_LIKE_TOKENS",
-    "SUPPORTED_GGUF_PRE_TOKENIZERS",
-    "Tokenizer",
-    "read_gguf_metadata",
-]
+__all__ = ["EOS_LIKE_TOKENS", "Tokenizer"]

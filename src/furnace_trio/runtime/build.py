@@ -11,7 +11,7 @@ returns it in its runtime form:
   ``int8``/``q4`` ask for a format, the one weight is dequantized and quantized by
   :mod:`furnace_trio.runtime.quant` (``auto``: the file's own grid where it is Q4_1 or
   Q8_0, as :func:`~furnace_trio.runtime.quant.quantize_linears` decides); on a float
-  runtime, a float :class:`~furnace_trio.runtime.model.Linear`;
+  runtime, a float :class:`~furnace_trio.runtime.layers.Linear`;
 - the token embedding: a quantized GGUF table stays in blocks on a quantized CPU runtime
   (:class:`~furnace_trio.runtime.embedding.BlockEmbedding`), and a tied LM head is made
   from those same blocks; otherwise a float table (which a float tied head shares).
@@ -40,7 +40,7 @@ from furnace_trio.loading.tensors import LazyWeights, TensorRecord
 from furnace_trio.runtime import native
 from furnace_trio.runtime.blocks import ConcatLinear, linear_from_blocks, takes_blocks
 from furnace_trio.runtime.embedding import BlockEmbedding, Embedding, TableEmbedding
-from furnace_trio.runtime.model import Linear
+from furnace_trio.runtime.layers import Linear
 from furnace_trio.runtime.quant import FourBit, NativeLinear, _quantized
 
 __all__ = ["WeightBuilder", "runtime_weight_bytes"]

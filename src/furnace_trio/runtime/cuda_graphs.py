@@ -18,9 +18,10 @@ once and replays them with one call. A graph fixes every shape and address, so:
   never touch a sequence's cache and never make a NaN.
 
 The forward pass is :class:`~furnace_trio.runtime.model.Transformer`'s own torch path, unchanged:
-the graph is fed a :class:`~furnace_trio.runtime.model.StepInputs` whose tensors are views of the
-static buffer and whose Python context lengths all say the bucket's width. Steps with a
-prefill chunk, or more decodes than the largest batch size, run eagerly as before.
+the graph is fed a :class:`~furnace_trio.runtime.step_inputs.StepInputs` whose tensors are
+views of the static buffer and whose Python context lengths all say the bucket's width.
+Steps with a prefill chunk, or more decodes than the largest batch size, run eagerly as
+before.
 
 A capture that fails (out of memory, an op that cannot be captured) is logged and turns
 the graphs off for the runner's life: every step then runs op by op, as with
@@ -41,7 +42,9 @@ from typing import Any
 import torch
 
 from furnace_trio.core.plan import StepPlan
-from furnace_trio.runtime.model import KVCache, StepInputs, Transformer
+from furnace_trio.runtime.kv_cache import KVCache
+from furnace_trio.runtime.model import Transformer
+from furnace_trio.runtime.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 

@@ -148,7 +148,7 @@ def dequantize_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 class NativeLinear(nn.Module):
     """What the native layers share: the float32 ``[..., in]`` -> ``[..., out]`` call of
-    :class:`furnace_trio.runtime.model.Linear`, over a packed weight the subclass multiplies in
+    :class:`furnace_trio.runtime.layers.Linear`, over a packed weight the subclass multiplies in
     :meth:`_multiply`, and the layer's entry in ``furnace_decode_layers``' table."""
 
     label = ""
@@ -267,8 +267,8 @@ class NativeInt8Linear(NativeLinear):
 class Int8Linear(nn.Module):
     """``y ~= x @ W.T (+ b)`` with ``W`` in int8 and per-row int8 activations (CPU only).
 
-    Keeps the call signature of :class:`furnace_trio.runtime.model.Linear`: float32 ``[..., in]`` in,
-    float32 ``[..., out]`` out. Each output row depends only on the matching input row.
+    Keeps the call signature of :class:`furnace_trio.runtime.layers.Linear`: float32
+    ``[..., in]`` in, float32 ``[..., out]`` out. Each output row depends only on the matching input row.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:

@@ -24,10 +24,12 @@ from furnace_trio.loading.model_config import ModelConfig
 from furnace_trio.runtime import native
 from furnace_trio.runtime.build import WeightBuilder
 from furnace_trio.runtime.cuda_graphs import DecodeGraphs
-from furnace_trio.runtime.model import KVCache, StepInputs, Transformer
+from furnace_trio.runtime.kv_cache import KVCache
+from furnace_trio.runtime.model import Transformer
 from furnace_trio.runtime.native.config import DEFAULT_NATIVE_CONFIG, NativeConfig
 from furnace_trio.runtime.quant import resolve_quantization
 from furnace_trio.runtime.sampling import GeneratorStore, sample, token_logprobs
+from furnace_trio.runtime.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 

@@ -12,6 +12,11 @@ corrupt one is logged, removed and rebuilt instead of crashing ``dlopen``.
 
 The library is loaded after torch, so ``libgomp.so.1`` resolves to the OpenMP runtime
 torch already loaded.
+
+What is loaded is the process's, not a caller's (:class:`LoadedLibraries`): a shared
+library is a process resource, so one :class:`Kernels` per built file serves every runner
+of the process. The CPU's identity and each compiler's version, parts of the build key, are
+facts of the machine, asked once per process too.
 """
 
 from __future__ import annotations
@@ -46,8 +51,36 @@ SOURCE = Path(__file__).parent.parent / "cpu_kernels.c"
 INCLUDES = (Path(__file__).parent.parent / "cpu_kquants.c",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
-_lock = threading.Lock()
-_loaded: dict[str, Kernels | None] = {}
+
+class LoadedLibraries:
+    """The built libraries a process has loaded, or failed to build, by file.
+
+    One per process (:data:`LOADED`), on purpose: ``dlopen`` maps a file once per process
+    (a second ``ctypes.CDLL`` of the same path gets the same handle) and ctypes never
+    unloads it, so the process holds one library per built file whoever asked first. A
+    cache per owner would give no isolation, only repeat the seal check (a digest of the
+    whole file) for that same handle, and rerun a compiler that already failed. The lock
+    makes concurrent first loads build once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_path: dict[Path, Kernels | None] = {}
+
+    def get(self, target: Path, compiler: str, flags: tuple[str, ...]) -> Kernels | None:
+        """The kernels of the built file ``target``, building it with ``compiler`` and
+        ``flags`` when it is missing or fails its seal; ``None`` (remembered) when that
+        fails."""
+        with self._lock:
+            if target in self._by_path:
+                return self._by_path[target]
+            kernels = _build_and_load(compiler, flags, target)
+            self._by_path[target] = kernels
+            return kernels
+
+
+#: This process's loaded libraries.
+LOADED = LoadedLibraries()
 
 
 def cache_dir(config: NativeConfig = DEFAULT_NATIVE_CONFIG) -> Path:
@@ -121,27 +154,28 @@ def load(
         b"\0".join([source, MAGIC, *(p.encode() for p in parts)]), digest_size=12
     ).hexdigest()
     target = cache_dir(config) / f"cpu_kernels-{key}.so"
-    with _lock:
-        if str(target) in _loaded:
-            return _loaded[str(target)]
-        kernels: Kernels | None = None
-        try:
-            if target.parent.is_dir():
-                remove_stale_temporaries(target.parent)
-            problem = cache_problem(target) if target.exists() else None
-            if problem is not None:
-                logger.warning("native kernels: %s is %s; rebuilding it", target, problem)
-                target.unlink(missing_ok=True)
-            if not target.exists():
-                logger.info("native kernels: building %s", target)
-                _build(compiler, flags, target)
-            problem = cache_problem(target)
-            if problem is not None:  # changed under us since the build: do not load it
-                raise OSError(f"{target} is {problem}")
-            kernels = Kernels(ctypes.CDLL(str(target)), target)
-        except subprocess.CalledProcessError as exc:
-            logger.warning("native kernels: build failed, using torch kernels:\n%s", exc.stderr)
-        except (OSError, subprocess.SubprocessError) as exc:
-            logger.warning("native kernels unavailable (%s); using torch kernels", exc)
-        _loaded[str(target)] = kernels
-        return kernels
+    return LOADED.get(target, compiler, flags)
+
+
+def _build_and_load(compiler: str, flags: tuple[str, ...], target: Path) -> Kernels | None:
+    """Load ``target``, built first where it is missing or fails its seal; ``None`` (and a
+    warning) where building or loading fails."""
+    try:
+        if target.parent.is_dir():
+            remove_stale_temporaries(target.parent)
+        problem = cache_problem(target) if target.exists() else None
+        if problem is not None:
+            logger.warning("native kernels: %s is %s; rebuilding it", target, problem)
+            target.unlink(missing_ok=True)
+        if not target.exists():
+            logger.info("native kernels: building %s", target)
+            _build(compiler, flags, target)
+        problem = cache_problem(target)
+        if problem is not None:  # changed under us since the build: do not load it
+            raise OSError(f"{target} is {problem}")
+        return Kernels(ctypes.CDLL(str(target)), target)
+    except subprocess.CalledProcessError as exc:
+        logger.warning("native kernels: build failed, using torch kernels:\n%s", exc.stderr)
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("native kernels unavailable (%s); using torch kernels", exc)
+    return None
