@@ -1,7 +1,7 @@
 """The generated pages of the manual are current and complete, and ``/docs`` serves the API
 reference over a real socket.
 
-``docs/configuration.md`` and ``docs/api.md`` are rendered by
+``docs/configuration.md``, ``docs/api.md`` and ``docs/metrics.md`` are rendered by
 ``python -m furnace_trio.server.reference_docs``; when a test here fails after a change to
 the settings or the routes, run that command (from the repository root, with
 ``PYTHONPATH=src``) and commit the pages.
@@ -90,6 +90,11 @@ def test_the_generator_writes_stale_pages_and_checks_them(tmp_path: Path) -> Non
     assert main(["--docs", str(tmp_path), "--check"]) == 0
 
 
+def _documented_metrics() -> set[str]:
+    page = (DOCS / "metrics.md").read_text(encoding="utf-8")
+    return set(re.findall(r"^\| `(furnace_\w+)` \|", page, re.MULTILINE))
+
+
 async def test_docs_page_renders_the_openapi_document_without_any_other_origin() -> None:
     async with (
         serve_scripted(api_key="docs-key") as served,
@@ -97,6 +102,7 @@ async def test_docs_page_renders_the_openapi_document_without_any_other_origin()
     ):
         page = await http.get("/docs")  # open, like /openapi.json
         document = (await http.get("/openapi.json")).json()
+        metrics = (await http.get("/metrics")).text
     assert page.status_code == 200
     assert page.headers["content-type"] == "text/html; charset=utf-8"
     assert page.headers["x-content-type-options"] == "nosniff"
@@ -113,3 +119,6 @@ async def test_docs_page_renders_the_openapi_document_without_any_other_origin()
                 assert f"{method.upper()}</span> <code>{html.escape(path)}</code>" in body
     for name in document["components"]["schemas"]:
         assert f'id="schema-{name.lower()}"' in body
+    # and the metrics page lists every series a live server describes
+    served = set(re.findall(r"^# HELP (\w+) ", metrics, re.MULTILINE))
+    assert served and served <= _documented_metrics(), sorted(served - _documented_metrics())
