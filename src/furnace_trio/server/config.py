@@ -264,7 +264,7 @@ class ServerConfig:
             "FURNACE_STREAM_INTERVAL",
             "A streamed sample's tokens after its first are sent in groups of this many (as "
             "vLLM's `--stream-interval`): fewer, larger chunks and less CPU per token; stop "
-            "strings are then seen up to this many tokens late.",
+            "strings are then seen up to this many tokens late (computed, not sent).",
         ),
     )
     cuda_graphs: bool = field(
