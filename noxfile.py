@@ -77,6 +77,14 @@ def serve(session: nox.Session) -> None:
 
 
 @nox.session
+def docs(session: nox.Session) -> None:
+    """Regenerate docs/configuration.md, docs/api.md and docs/metrics.md from the code
+    (``-- --check`` only reports stale pages)."""
+    _install(session)
+    session.run("python", "-m", "furnace_trio.server.reference_docs", *session.posargs)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Speed (engine, HTTP, the HTTP side and its stack per token, runner steps) and quality
     (~29 min).

@@ -1,4 +1,4 @@
-"""``hypercorn -c hypercorn.toml furnace_trio.app:app`` (the README's command and
+"""``hypercorn -c hypercorn.toml furnace_trio.app:app`` (the quick start's command and
 ``nox -s serve``) drains on SIGTERM and SIGINT and exits promptly, whether the signal goes
 to hypercorn's master process or to its whole process group (systemd's default, Ctrl+C).
 
@@ -54,7 +54,7 @@ def _default_model_installed() -> None:
 
 @asynccontextmanager
 async def hypercorn(nursery: trio.Nursery, **env: str) -> AsyncIterator[Server]:
-    """The README's command on a free port, in its own session; killed if still running.
+    """The quick start's command on a free port, in its own session; killed if still running.
 
     The test makes the listening socket (hypercorn's ``fd://`` bind) with a small send
     buffer, which its connections inherit: otherwise the kernel would take megabytes of a

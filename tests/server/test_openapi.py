@@ -42,6 +42,8 @@ def test_every_endpoint_is_documented() -> None:
         "/status",
         "/openapi.json",
         "/",
+        "/docs",
+        "/static/{name}",
         "/tokenize",
         "/detokenize",
         "/tokenizer_info",

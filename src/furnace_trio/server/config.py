@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Literal
 
 from furnace_trio.runtime.native.config import DEFAULT_NATIVE_CONFIG, NativeConfig
+from furnace_trio.server.config_values import ConfigError
+from furnace_trio.server.config_values import flag as _flag
+from furnace_trio.server.config_values import names as _names
+from furnace_trio.server.config_values import native_build as _native_build
+from furnace_trio.server.config_values import positive_float as _positive_float
+from furnace_trio.server.setting import Setting, setting, settings
 
 Device = Literal["cpu", "cuda", "auto"]
 DEVICES: tuple[str, ...] = ("cpu", "cuda", "auto")
@@ -38,62 +42,302 @@ DEFAULT_MAX_RESPONSE_BYTES = 1024 * 1024
 DEFAULT_MAX_SCHEMA_NODES = 20_000
 
 
-class ConfigError(ValueError):
-    """An environment variable has an invalid value; the message names the variable."""
-
-
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     """Everything the HTTP server and the backend factory need to know.
 
-    ``model is None`` means the embedded default model; ``model_name is None`` means the name
-    the loader derives from the model. ``api_key is None`` disables authentication;
-    ``admin_key`` guards ``/status`` instead of ``api_key`` when set.
-    ``None`` for ``max_running``, ``max_step_tokens``, ``kv_cache_mb`` and ``max_context``
-    lets the backend choose by device (see :mod:`furnace_trio.server.backend`).
-    ``max_output_tokens`` caps every request's ``max_tokens`` and is the default where a
-    request names none; ``None``: no cap, and a chat request without ``max_tokens`` may fill
-    the context (OpenAI's behaviour), a completions request gets 16.
+    Each field's metadata names its ``FURNACE_*`` variable and says what it does
+    (:mod:`furnace_trio.server.setting`): ``docs/configuration.md`` is rendered from it.
+    ``None`` where the backend chooses by device (:mod:`furnace_trio.server.backend`).
     """
 
-    model: str | None = None
-    model_name: str | None = None
-    device: Device = "auto"
-    dtype: str = "auto"
-    api_key: str | None = None
-    admin_key: str | None = None
-    max_running: int | None = None
-    max_waiting: int = 256
-    # Sequences (prompts x n) one request may ask for, and JSON values in its schemas.
-    max_sequences_per_request: int = 128
-    max_schema_nodes: int = DEFAULT_MAX_SCHEMA_NODES
-    max_step_tokens: int | None = None
-    kv_cache_mb: int | None = None
-    kv_cache_dtype: str = "auto"
-    max_context: int | None = None
-    max_output_tokens: int | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
-    log_level: str = "INFO"
-    log_format: str = "text"
-    tool_parser: str = "auto"
-    quantization: str = "auto"
-    session_ttl_s: float = 1800.0
-    session_max_blocks: int | None = None
-    max_sessions: int = 1024
-    prefix_cache: bool = True
-    step_timeout_s: float = 120.0
-    stream_interval: int = 1
-    # All-decode steps on a GPU replayed from CUDA graphs (see furnace_trio.runtime.cuda_graphs).
-    cuda_graphs: bool = True
-    drain_timeout_s: float = 30.0
-    exit_on_engine_failure: bool = False
-    # The native CPU kernels (False: torch kernels only) and how they are built.
-    native: bool = True
-    native_build: NativeConfig = DEFAULT_NATIVE_CONFIG
-    # Browser defences (furnace_trio.server.request_guard): extra Host names, CORS origins.
-    allowed_hosts: tuple[str, ...] = ()
-    cors_origins: tuple[str, ...] = ()
+    model: str | None = field(
+        default=None,
+        metadata=setting(
+            "FURNACE_MODEL",
+            "A `.gguf` file or a Hugging Face model directory (`config.json`, `*.safetensors`, "
+            "`tokenizer.json`); see [models and formats](models.md).",
+            shown="the embedded SmolLM2-135M-Instruct",
+        ),
+    )
+    model_name: str | None = field(
+        default=None,
+        metadata=setting(
+            "FURNACE_MODEL_NAME",
+            "The name clients pass as `model` (and `/v1/models` lists).",
+            shown="derived from the model",
+        ),
+    )
+    device: Device = field(
+        default="auto",
+        metadata=setting(
+            "FURNACE_DEVICE", "`cpu`, `cuda`, or `auto` (CUDA when torch sees a GPU)."
+        ),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=setting(
+            "FURNACE_DTYPE",
+            "`float32`, `bfloat16` or `float16`; `auto`: float32 on the CPU, bfloat16 on a GPU.",
+        ),
+    )
+    api_key: str | None = field(
+        default=None,
+        metadata=setting(
+            "FURNACE_API_KEY",
+            "When set, requests to `/v1/...` and the tokenizer paths need "
+            "`Authorization: Bearer <key>` (401 otherwise); unset, no authentication.",
+        ),
+    )
+    admin_key: str | None = field(
+        default=None,
+        metadata=setting(
+            "FURNACE_ADMIN_KEY",
+            "When set, `GET /status` needs this key (and the API key does not open it); unset, "
+            "`/status` takes the API key.",
+        ),
+    )
+    max_running: int | None = field(
+        default=None,
+        metadata=setting(
+            "FURNACE_MAX_RUNNING",
+            "Sequences decoding at once (fewer when the KV cache cannot hold every admitted "
+            "request's prompt + `max_tokens`).",
+            shown="32 on the CPU, 128 on a GPU",
+        ),
+    )
+    max_waiting: int = field(
+        default=256,
+        metadata=setting(
+            "FURNACE_MAX_WAITING",
+            "Queued sequences (a request of `n` samples counts `n`, a completions batch every "
+            "prompt times `n`) before new requests get 503 with `Retry-After`; a batch the queue "
+            "cannot take whole is refused whole.",
+        ),
+    )
+    max_sequences_per_request: int = field(
+        default=128,
+        metadata=setting(
+            "FURNACE_MAX_SEQUENCES_PER_REQUEST",
+            "Most sequences (prompts x `n`) one request may ask for, capped by "
+            "`FURNACE_MAX_WAITING`; more is a 400 naming `n` (or `prompt`).",
+        ),
+    )
+    max_schema_nodes: int = field(
+        default=DEFAULT_MAX_SCHEMA_NODES,
+        metadata=setting(
+            "FURNACE_MAX_SCHEMA_NODES",
+            "JSON values that all the client's schemas of one request (tools' `parameters`, "
+            "`response_format`) may hold together; more is a 400 naming the schema "
+            "(see [reliability](reliability.md)).",
+        ),
+    )
+    max_step_tokens: int | None = field(
+        default=None,
+        metadata=setting(
+            "FURNACE_MAX_STEP_TOKENS",
+            "Tokens per model step (decodes plus prefill chunks).",
+            shown="512 on the CPU, 4096 on a GPU",
+        ),
+    )
+    kv_cache_mb: int | None = field(
+        default=None,
+        metadata=setting(
+            "FURNACE_KV_CACHE_MB",
+            "The KV cache's size in MiB.",
+            shown="1024 on the CPU, half the free GPU memory on a GPU",
+        ),
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=setting(
+            "FURNACE_KV_CACHE_DTYPE",
+            "`auto`: float16 with `FURNACE_QUANT` `auto`, `q4` or `int8` on the CPU, else the "
+            "model's dtype; `model`: the model's dtype; `float16`; `int8`: a byte per value and a "
+            "float32 scale per token and KV head, 1.9 times the tokens of float16 in the same "
+            "memory ([models and formats](models.md#kv-cache)).",
+        ),
+    )
+    max_context: int | None = field(
+        default=None,
+        metadata=setting(
+            "FURNACE_MAX_CONTEXT",
+            "A cap on prompt plus completion tokens.",
+            shown="the model's context length",
+        ),
+    )
+    max_output_tokens: int | None = field(
+        default=None,
+        metadata=setting(
+            "FURNACE_MAX_OUTPUT_TOKENS",
+            "The `max_tokens` of a request that names none, and a cap: a request asking for more "
+            "gets a 400 naming the limit. Unset: no cap; a chat request without `max_tokens` may "
+            "fill the rest of the context, a completions request gets 16 tokens "
+            "([output length](api-guide.md#output-length-and-sampling-defaults)).",
+        ),
+    )
+    max_body_bytes: int = field(
+        default=DEFAULT_MAX_BODY_BYTES,
+        metadata=setting(
+            "FURNACE_MAX_BODY_BYTES",
+            "Request bodies larger than this many bytes get 413.",
+            shown="4194304 (4 MiB)",
+        ),
+    )
+    max_response_bytes: int = field(
+        default=DEFAULT_MAX_RESPONSE_BYTES,
+        metadata=setting(
+            "FURNACE_MAX_RESPONSE_BYTES",
+            "What one request may hold generated but unsent (estimated response bytes; about 470 "
+            "tokens with 20 `top_logprobs`, 4,000 without); past it the request pauses, keeping "
+            "its KV, until its client reads again ([reliability](reliability.md)).",
+            shown="1048576 (1 MiB)",
+        ),
+    )
+    log_level: str = field(
+        default="INFO",
+        metadata=setting("FURNACE_LOG_LEVEL", "`DEBUG`, `INFO`, `WARNING`, `ERROR` or `CRITICAL`."),
+    )
+    log_format: str = field(
+        default="text",
+        metadata=setting(
+            "FURNACE_LOG_FORMAT",
+            "`text`: lines for a person on stderr; `json`: one JSON object a line "
+            "([operations](operations.md#logs)).",
+        ),
+    )
+    tool_parser: str = field(
+        default="auto",
+        metadata=setting(
+            "FURNACE_TOOL_PARSER",
+            "The tool-call output format: `hermes`, `llama3`, `mistral`, or `auto` (from the chat "
+            "template; see [tools](tools.md)).",
+        ),
+    )
+    quantization: str = field(
+        default="auto",
+        metadata=setting(
+            "FURNACE_QUANT",
+            "Weight quantization on the CPU: `auto` keeps a GGUF's Q4_0, Q4_1, Q5_0, Q8_0 and "
+            "Q4_K-Q6_K weights as they are and makes others int8; `q4`, `int8`, `none` (float) "
+            "([models and formats](models.md#quantization)).",
+        ),
+    )
+    session_ttl_s: float = field(
+        default=1800.0,
+        metadata=setting("FURNACE_SESSION_TTL_S", "Idle sessions expire after this many seconds."),
+    )
+    session_max_blocks: int | None = field(
+        default=None,
+        metadata=setting(
+            "FURNACE_SESSION_MAX_BLOCKS",
+            "KV blocks all sessions may pin; beyond it the least recently used lose their KV "
+            "(not their history).",
+            shown="half the KV pool",
+        ),
+    )
+    max_sessions: int = field(
+        default=1024,
+        metadata=setting(
+            "FURNACE_MAX_SESSIONS",
+            "Sessions kept; beyond it the least recently used idle one is dropped.",
+        ),
+    )
+    prefix_cache: bool = field(
+        default=True,
+        metadata=setting(
+            "FURNACE_PREFIX_CACHE",
+            "Reuse the KV of cached prompt prefixes (full 16-token blocks, exact match).",
+        ),
+    )
+    step_timeout_s: float = field(
+        default=120.0,
+        metadata=setting(
+            "FURNACE_STEP_TIMEOUT_S",
+            "Watchdog: a model step running longer marks the engine failed (503s from then on; "
+            "see [reliability](reliability.md)).",
+        ),
+    )
+    stream_interval: int = field(
+        default=1,
+        metadata=setting(
+            "FURNACE_STREAM_INTERVAL",
+            "A streamed sample's tokens after its first are sent in groups of this many (as "
+            "vLLM's `--stream-interval`): fewer, larger chunks and less CPU per token; stop "
+            "strings are then seen up to this many tokens late (computed, not sent).",
+        ),
+    )
+    cuda_graphs: bool = field(
+        default=True,
+        metadata=setting(
+            "FURNACE_CUDA_GRAPHS",
+            "On a GPU, replay each all-decode step from a CUDA graph captured at startup "
+            "(`furnace_trio.runtime.cuda_graphs`) instead of launching its kernels one by one; "
+            "a capture that fails is logged and turns them off.",
+        ),
+    )
+    drain_timeout_s: float = field(
+        default=30.0,
+        metadata=setting(
+            "FURNACE_DRAIN_TIMEOUT_S",
+            "On shutdown, how long requests in flight may run before they are cancelled (with an "
+            "error event or object); see [operations](operations.md#drain).",
+        ),
+    )
+    exit_on_engine_failure: bool = field(
+        default=False,
+        metadata=setting(
+            "FURNACE_EXIT_ON_ENGINE_FAILURE",
+            "When the engine dies or the watchdog fires, exit with status 3 so that a supervisor "
+            "restarts the server.",
+        ),
+    )
+    native: bool = field(
+        default=True,
+        metadata=setting(
+            "FURNACE_NATIVE",
+            "The native CPU kernels; `false` serves with torch's and fbgemm's kernels only (much "
+            "slower).",
+        ),
+    )
+    native_build: NativeConfig = field(
+        default=DEFAULT_NATIVE_CONFIG,
+        metadata=settings(
+            Setting(
+                "FURNACE_NATIVE_FLAGS",
+                "Extra compiler flags (shell words) for the native kernels, after "
+                "`-O3 -march=native`: `-mno-avx512f` builds the AVX2 kernels on an AVX-512 CPU "
+                "(what `benchmarks/bench_llamacpp.py --isa avx2` compares); each set of flags is "
+                "built once and cached.",
+                "unset",
+            ),
+            Setting(
+                "FURNACE_CACHE_DIR",
+                "Where the native kernels are built and cached (once per machine and set of "
+                "flags); the C compiler is `$CC`, else `cc`.",
+                "`$XDG_CACHE_HOME/furnace-trio`, else `~/.cache/furnace-trio`",
+            ),
+        ),
+    )
+    allowed_hosts: tuple[str, ...] = field(
+        default=(),
+        metadata=setting(
+            "FURNACE_ALLOWED_HOSTS",
+            "Comma-separated host names served besides `localhost`, `127.0.0.1` and `[::1]`; a "
+            "request that arrives on a loopback address with any other `Host` gets 403 (DNS "
+            "rebinding). Once set, the list holds on every interface; `*` allows any host. A "
+            "reverse proxy on this machine that passes its own `Host` needs its name here.",
+        ),
+    )
+    cors_origins: tuple[str, ...] = field(
+        default=(),
+        metadata=setting(
+            "FURNACE_CORS_ORIGINS",
+            "Comma-separated origins (`https://app.example`) whose pages may call the API from a "
+            "browser (CORS preflights answered, `Access-Control-Allow-Origin` sent); `*` allows "
+            "any. JSON endpoints accept only `Content-Type: application/json` (415 otherwise).",
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -248,63 +492,3 @@ class ServerConfig:
     @property
     def log_level_number(self) -> int:
         return logging.getLevelName(self.log_level)  # type: ignore[no-any-return]
-
-
-def _positive_float(
-    environ: Mapping[str, str], name: str, default: float, *, allow_zero: bool = False
-) -> float:
-    value = environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        number = float(value)
-    except ValueError:
-        raise ConfigError(f"{name} must be a number, got {value!r}") from None
-    if allow_zero and number == 0:
-        return number
-    if not (number > 0 and number != float("inf")):
-        raise ConfigError(f"{name} must be > 0, got {value!r}")
-    return number
-
-
-def _names(environ: Mapping[str, str], name: str, *, origins: bool) -> tuple[str, ...]:
-    """A comma-separated list, lowercase: host names or origins (``scheme://host[:port]``,
-    checked here); ``*`` stands for any."""
-    out = []
-    for item in environ.get(name, "").split(","):
-        value = item.strip().lower()
-        if origins and value not in ("", "*"):
-            value = value.rstrip("/")
-            scheme, sep, rest = value.partition("://")
-            if scheme not in ("http", "https") or not sep or not rest or "/" in rest:
-                raise ConfigError(f"{name}: {item.strip()!r} is not an origin like https://host")
-        if value:
-            out.append(value)
-    return tuple(out)
-
-
-def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
-    value = environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name} must be true or false, got {value!r}")
-
-
-def _native_build(environ: Mapping[str, str]) -> NativeConfig:
-    """``FURNACE_NATIVE_FLAGS`` (shell words), ``FURNACE_CACHE_DIR`` (else
-    ``$XDG_CACHE_HOME/furnace-trio``) and ``CC``: how the native kernels are built."""
-    try:
-        flags = tuple(shlex.split(environ.get("FURNACE_NATIVE_FLAGS", "")))
-    except ValueError as exc:
-        raise ConfigError(f"FURNACE_NATIVE_FLAGS must be shell words: {exc}") from None
-    cache_dir = environ.get("FURNACE_CACHE_DIR", "").strip()
-    xdg = environ.get("XDG_CACHE_HOME", "").strip()
-    return NativeConfig(
-        flags=flags,
-        cache_dir=Path(cache_dir) if cache_dir else Path(xdg) / "furnace-trio" if xdg else None,
-        compiler=environ.get("CC", "").strip() or DEFAULT_NATIVE_CONFIG.compiler,
-    )

@@ -35,6 +35,10 @@ def _json(schema: Mapping[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
+def _html(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"text/html": {"schema": {"type": "string"}}}}
+
+
 def _errors(*statuses: str) -> dict[str, Any]:
     return {s: _json(ref("Error"), _ERROR_STATUSES[s]) for s in statuses}
 
@@ -308,15 +312,33 @@ def openapi_document() -> dict[str, Any]:
                 },
             }
         },
+        "/docs": {
+            "get": {
+                "summary": "This API's reference as an HTML page, rendered from this document",
+                "operationId": "apiDocs",
+                "responses": {"200": _html("The page (no script, nothing from another origin).")},
+            }
+        },
+        "/static/{name}": {
+            "get": {
+                "summary": "A file of the chat page (chat.js, chat.css, favicon.svg)",
+                "operationId": "chatPageFile",
+                "parameters": [_path_param("name", "The file's name.")],
+                "responses": {
+                    "200": {
+                        "description": "The file.",
+                        "content": {"*/*": {"schema": {"type": "string"}}},
+                    },
+                    **_errors("404"),
+                },
+            }
+        },
         "/": {
             "get": {
                 "summary": "The chat page (HTML; its files are under /static/)",
                 "operationId": "chatPage",
                 "responses": {
-                    "200": {
-                        "description": "The page, with a Content-Security-Policy of this origin only.",
-                        "content": {"text/html": {"schema": {"type": "string"}}},
-                    }
+                    "200": _html("The page, with a Content-Security-Policy of this origin only.")
                 },
             }
         },

@@ -8,10 +8,11 @@
 - :mod:`.tokenizer`: ``/tokenize``, ``/detokenize``, ``/tokenizer_info``
 - :mod:`.status`: ``/status``
 - :mod:`.page`: ``/``, the chat page, and its files under ``/static/``
+- :mod:`.docs`: ``/docs``, the API reference rendered from ``/openapi.json``
 
 Everything under ``/v1`` and the tokenizer paths is behind the API key, when the server has
 one; ``/status`` behind the admin key (else the API key); ``/health``, ``/metrics``,
-``/openapi.json`` and the chat page are open.
+``/openapi.json``, ``/docs`` and the chat page are open.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from furnace_trio.server.auth import check_admin_key, check_api_key
 from furnace_trio.server.routes import (
     chat,
     completions,
+    docs,
     page,
     responses,
     service,
@@ -45,5 +47,5 @@ def register_routes(app: QuartTrio, state: ServerState) -> None:
         elif request.path == STATUS_PATH:
             check_admin_key(state)
 
-    for family in (service, chat, completions, responses, sessions, tokenizer, status, page):
+    for family in (service, chat, completions, responses, sessions, tokenizer, status, page, docs):
         family.register(app, state)

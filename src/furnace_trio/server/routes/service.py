@@ -54,7 +54,7 @@ def register(app: QuartTrio, state: ServerState) -> None:
             "created": state.started,
             "owned_by": "furnace-trio",
             "max_model_len": backend.max_context,
-            # What a request that leaves these unset gets (see docs/configuration in README).
+            # What a request that leaves these unset gets (docs/api-guide.md, output length).
             "max_output_tokens": backend.max_output_tokens,
             "generation_defaults": backend.generation.as_dict(),
         }
