@@ -3,6 +3,9 @@
 Every value is parsed and checked once, at startup: a typo in a deployment should stop the
 server with a message naming the variable, not surface later as a confusing request error.
 Parsing does no I/O (the model path is not opened here; the backend factory does that).
+The same settings may come from a TOML file named by ``FURNACE_CONFIG``, read and merged
+with the environment by :mod:`furnace_trio.server.config_file`, and read again on a reload
+(:mod:`furnace_trio.server.reload`).
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ import logging
 import os
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from furnace_trio.runtime.native.config import DEFAULT_NATIVE_CONFIG, NativeConfig
+from furnace_trio.server.api_keys import APIKey, accepted_keys
 
 Device = Literal["cpu", "cuda", "auto"]
 DEVICES: tuple[str, ...] = ("cpu", "cuda", "auto")
@@ -47,8 +51,9 @@ class ServerConfig:
     """Everything the HTTP server and the backend factory need to know.
 
     ``model is None`` means the embedded default model; ``model_name is None`` means the name
-    the loader derives from the model. ``api_key is None`` disables authentication;
-    ``admin_key`` guards ``/status`` instead of ``api_key`` when set.
+    the loader derives from the model. Without ``api_key`` and ``api_keys`` there is no
+    authentication; ``admin_key`` guards ``/status`` and ``/admin/reload`` instead of the
+    API keys when set.
     ``None`` for ``max_running``, ``max_step_tokens``, ``kv_cache_mb`` and ``max_context``
     lets the backend choose by device (see :mod:`furnace_trio.server.backend`).
     ``max_output_tokens`` caps every request's ``max_tokens`` and is the default where a
@@ -60,8 +65,8 @@ class ServerConfig:
     model_name: str | None = None
     device: Device = "auto"
     dtype: str = "auto"
-    api_key: str | None = None
-    admin_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    admin_key: str | None = field(default=None, repr=False)
     max_running: int | None = None
     max_waiting: int = 256
     # Sequences (prompts x n) one request may ask for, and JSON values in its schemas.
@@ -94,6 +99,10 @@ class ServerConfig:
     # Browser defences (furnace_trio.server.request_guard): extra Host names, CORS origins.
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
+    # The TOML file of these settings (FURNACE_CONFIG; read by server.config_file, again on
+    # reload) and the named API keys it lists, beside api_key (server.api_keys).
+    config_file: str | None = None
+    api_keys: tuple[APIKey, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -151,6 +160,10 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1")
+        try:
+            accepted_keys(self.api_key, self.api_keys)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> ServerConfig:
@@ -237,6 +250,7 @@ class ServerConfig:
             native_build=_native_build(environ),
             allowed_hosts=_names(environ, "FURNACE_ALLOWED_HOSTS", origins=False),
             cors_origins=_names(environ, "FURNACE_CORS_ORIGINS", origins=True),
+            config_file=text("FURNACE_CONFIG"),
         )
 
     @property
