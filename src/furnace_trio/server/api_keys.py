@@ -69,8 +69,8 @@ class APIKey:
 def accepted_keys(api_key: str | None, api_keys: Iterable[APIKey]) -> tuple[APIKey, ...]:
     """Every key the server accepts: ``api_key`` as :data:`UNNAMED_KEY`, then the named
     ones. Raises ``ValueError`` when two share a name or a key."""
-    keys = (APIKey(UNNAMED_KEY, api_key),) if api_key is not None else ()
-    keys += tuple(api_keys)
+    unnamed = (APIKey(UNNAMED_KEY, api_key),) if api_key is not None else ()
+    keys = (*unnamed, *api_keys)
     names: set[str] = set()
     digests: dict[bytes, str] = {}
     for entry in keys:

@@ -145,9 +145,9 @@ class AbortOnExit:
             state.in_flight -= 1
             if state.in_flight == 0:
                 state.no_requests.set()
-            caller = scope.get(CALLER_KEY)  # type: ignore[assignment]
-            if caller is not None and scope.get(IN_FLIGHT_KEY):
-                state.api_keys.leave(caller.name)
+            counted: APIKey | None = scope.get(CALLER_KEY)  # type: ignore[assignment]
+            if counted is not None and scope.get(IN_FLIGHT_KEY):
+                state.api_keys.leave(counted.name)
             backend = self.state.backend
             for request_id in request_ids:
                 state.api_keys.request_names.pop(request_id, None)
@@ -167,7 +167,7 @@ def register_abort(request_id: str) -> None:
 
 def request_config(state: ServerState) -> ServerConfig:
     """The configuration the current request arrived under (the defaults before startup)."""
-    config = request.scope.get(SETTINGS_KEY) or state.config
+    config: ServerConfig | None = request.scope.get(SETTINGS_KEY) or state.config  # type: ignore[assignment]
     return config if config is not None else ServerConfig()
 
 
@@ -181,4 +181,5 @@ def set_caller(state: ServerState, key: APIKey) -> None:
 
 def request_caller() -> APIKey | None:
     """The API key the current request presented, ``None`` on a server without keys."""
-    return request.scope.get(CALLER_KEY)  # type: ignore[no-any-return]
+    caller: APIKey | None = request.scope.get(CALLER_KEY)  # type: ignore[assignment]
+    return caller

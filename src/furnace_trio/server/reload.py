@@ -152,16 +152,17 @@ def reload_config(app: QuartTrio, state: ServerState) -> ReloadResult:
     engine_settings = None
     if backend is not None:
         device = backend.device_type
-        before, after = engine_config(old, device), engine_config(applied, device)
-        changes = {
-            f.name: getattr(after, f.name)
-            for f in dataclasses.fields(after)
-            if getattr(after, f.name) != getattr(before, f.name)
-        }
         try:
+            before, after = engine_config(old, device), engine_config(applied, device)
+            changes = {
+                f.name: getattr(after, f.name)
+                for f in dataclasses.fields(after)
+                if getattr(after, f.name) != getattr(before, f.name)
+            }
             engine_settings = dataclasses.replace(backend.engine.config, **changes)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        except ValueError as exc:  # EngineConfig's own checks
+            where = applied.config_file or "the environment"
+            raise ConfigError(f"{where}: {exc}") from None
     # Nothing below raises: the new configuration applies whole.
     if backend is not None and engine_settings is not None:
         backend.engine.reconfigure(engine_settings)

@@ -86,11 +86,10 @@ class RequestTiming:
             "total_s": round(end - self.started, 6),
         }
         logger.info(
-            "request %s key=%s status=%d prompt_tokens=%d cached_tokens=%d generated_tokens=%d "
+            "request %s status=%d prompt_tokens=%d cached_tokens=%d generated_tokens=%d "
             "context=%d/%d kv=%d/%d blocks (%.0f%%) "
-            "queue_time=%.3fs prefill=%.1f tok/s decode=%.1f tok/s finish=%s total=%.3fs",
+            "queue_time=%.3fs prefill=%.1f tok/s decode=%.1f tok/s finish=%s total=%.3fs key=%s",
             self.request_id,
-            self.key_name or "-",
             self.status,
             collector.prompt_tokens,
             collector.cached_tokens,
@@ -105,5 +104,6 @@ class RequestTiming:
             decode_rate,
             reasons,
             end - self.started,
+            self.key_name or "-",
             extra={FIELDS: fields},
         )
