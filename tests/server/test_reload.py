@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 import trio
 
 from furnace_trio.engine import EngineConfig
 from furnace_trio.server.config import ServerConfig
 from furnace_trio.server.config_file import load_config
+from furnace_trio.server.reload import RELOAD_SCHEMA
 
 from .. import scripted
 from ..http_server import MODEL_NAME, serve_scripted
@@ -87,6 +89,7 @@ async def test_requests_keep_the_limits_they_arrived_with(config_file: Path) -> 
             _write(config_file, "max_output_tokens = 8\nmax_running = 3\nmax_body_bytes = 100000\n")
             reloaded = await _reload(http)
             assert reloaded.status_code == 200, reloaded.text
+            jsonschema.Draft202012Validator(RELOAD_SCHEMA).validate(reloaded.json())
             assert reloaded.json() == {
                 "object": "config.reload",
                 "config_generation": 2,

@@ -2,8 +2,9 @@
 what can change while serving.
 
 :func:`reload_config` reads the environment and the ``FURNACE_CONFIG`` file as startup does
-(:func:`~furnace_trio.server.config_file.load_config`), then, all on the Trio thread and
-without awaiting, so no request sees half of it:
+(:func:`~furnace_trio.server.config_file.load_config`, in a worker thread), then applies
+it on the Trio thread without awaiting, so no request sees half of it
+(:func:`apply_config`):
 
 - the settings in :data:`LIVE_FIELDS` take the new values: ``state.config`` (which each new
   request snapshots when it arrives, see :func:`~furnace_trio.server.asgi.request_config`),
@@ -31,7 +32,7 @@ import trio
 from quart_trio import QuartTrio
 
 from furnace_trio.server.config import ConfigError, ServerConfig
-from furnace_trio.server.config_file import load_config
+from furnace_trio.server.config_file import LoadedConfig, load_config
 from furnace_trio.server.log_setup import configure_logging
 from furnace_trio.server.state import ServerState
 
@@ -39,6 +40,7 @@ __all__ = [
     "LIVE_FIELDS",
     "RELOAD_SCHEMA",
     "ReloadResult",
+    "apply_config",
     "reload_config",
     "reload_on_sighup",
     "try_reload",
@@ -135,15 +137,21 @@ def _differs(old: ServerConfig, new: ServerConfig, names: object) -> tuple[str, 
     )
 
 
-def reload_config(app: QuartTrio, state: ServerState) -> ReloadResult:
-    """Read the configuration again and apply its live settings (see the module docstring).
+async def reload_config(app: QuartTrio, state: ServerState) -> ReloadResult:
+    """Read the configuration again (the file in a worker thread) and apply its live
+    settings (:func:`apply_config`). Raises :class:`ConfigError`: nothing changed."""
+    loaded = await trio.to_thread.run_sync(load_config)
+    return apply_config(app, state, loaded)
 
-    Raises :class:`ConfigError` (nothing changed) on an invalid file or value, or one the
-    engine refuses. Never awaits."""
+
+def apply_config(app: QuartTrio, state: ServerState, loaded: LoadedConfig) -> ReloadResult:
+    """Apply the live settings of ``loaded`` (see the module docstring), all or none.
+
+    Raises :class:`ConfigError` (nothing changed) on a value the engine refuses. Never
+    awaits, so no request sees half of a reload."""
     from furnace_trio.server.backend import engine_config
 
     old = state.config if state.config is not None else ServerConfig()
-    loaded = load_config()
     new = loaded.config
     every = {f.name for f in dataclasses.fields(ServerConfig)}
     needs_restart = _differs(old, new, every - LIVE_FIELDS)
@@ -191,10 +199,10 @@ def reload_config(app: QuartTrio, state: ServerState) -> ReloadResult:
     return result
 
 
-def try_reload(app: QuartTrio, state: ServerState, trigger: str) -> ReloadResult | None:
+async def try_reload(app: QuartTrio, state: ServerState, trigger: str) -> ReloadResult | None:
     """:func:`reload_config`, an invalid configuration logged (with why) instead of raised."""
     try:
-        return reload_config(app, state)
+        return await reload_config(app, state)
     except ConfigError as exc:
         logger.error("%s: the configuration was not reloaded, nothing changed: %s", trigger, exc)
         return None
@@ -218,4 +226,4 @@ async def reload_on_sighup(
     with trio.open_signal_receiver(signal.SIGHUP) as signals:
         task_status.started()
         async for _ in signals:
-            try_reload(app, state, "SIGHUP")
+            await try_reload(app, state, "SIGHUP")

@@ -29,7 +29,7 @@ def register(app: QuartTrio, state: ServerState) -> None:
     @app.post(RELOAD_PATH)
     async def reload() -> Response:
         try:
-            result = reload_config(app, state)
+            result = await reload_config(app, state)
         except ConfigError as exc:
             logger.error("POST %s: the configuration was not reloaded: %s", RELOAD_PATH, exc)
             raise APIError(
