@@ -140,8 +140,11 @@ def start_generation(
     if request_id is None:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     # The limits of the configuration this request arrived under (a reload changes them
-    # for later requests only).
-    config = request_config(_state())
+    # for later requests only). The engine's backlog limit is the current configuration's,
+    # so the request names its own only when a reload came after it arrived.
+    state = _state()
+    config = request_config(state)
+    own_backlog = config.max_response_bytes if config is not state.config else None
     generations = [
         GenerationRequest(
             prompt_token_ids=prompt_ids,
@@ -157,7 +160,7 @@ def start_generation(
             ),
             request_id=request_id if len(prompts) == 1 else f"{request_id}-{which}",
             turn=turn,
-            max_response_bytes=config.max_response_bytes,
+            max_response_bytes=own_backlog,
         )
         for which, prompt_ids in enumerate(prompts)
     ]
