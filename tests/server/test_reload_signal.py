@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 import httpx
+import pytest
 
 from ..served_process import SERVE, serve_process
 
@@ -48,7 +49,19 @@ def test_sighup_reloads_the_config_file(tmp_path: Path) -> None:
         assert status["config_generation"] == 2
         assert served.process.poll() is None
     logs = served.logs()
+    assert f"settings from {config}" in logs
     # FURNACE_KV_CACHE_MB is set in the environment by serve_process: the file's is shadowed
     assert "needs a restart to change: nothing; set in the environment" in logs
     assert "max_output_tokens (FURNACE_MAX_OUTPUT_TOKENS) must be an integer" in logs
     assert KEY not in logs
+
+
+def test_an_invalid_file_stops_the_server_at_startup(tmp_path: Path) -> None:
+    config = tmp_path / "furnace.toml"
+    config.write_text("max_waitin = 3\n")
+    env = {"FURNACE_CONFIG": str(config)}
+    with (
+        pytest.raises(AssertionError, match="unknown setting 'max_waitin'"),
+        serve_process(SERVE, tmp_path / "logs", env, start_timeout_s=60),
+    ):
+        pass

@@ -52,18 +52,19 @@ CANCEL_GRACE_S = 2.0
 
 async def start_backend(app: QuartTrio, state: ServerState) -> None:
     """Configure, load the backend in a worker thread, start the supervised engine."""
+    shadowed: tuple[str, ...] = ()
     if state.config is None:
         loaded = load_config()
-        state.config = loaded.config
-        if loaded.shadowed:
-            logger.info(
-                "set in the environment, over %s: %s",
-                loaded.config.config_file,
-                ", ".join(loaded.shadowed),
-            )
+        state.config, shadowed = loaded.config, loaded.shadowed
     cfg = state.config
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes
     configure_logging(cfg.log_level, cfg.log_format)
+    if cfg.config_file is not None:
+        logger.info(
+            "settings from %s%s",
+            cfg.config_file,
+            f"; set in the environment, over the file: {', '.join(shadowed)}" if shadowed else "",
+        )
     factory = state.backend_factory
     if factory is None:
         from furnace_trio.server.backend import load_backend
