@@ -40,6 +40,7 @@ def test_every_endpoint_is_documented() -> None:
         "/health",
         "/metrics",
         "/status",
+        "/admin/reload",
         "/openapi.json",
         "/",
         "/docs",

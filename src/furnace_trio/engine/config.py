@@ -1,14 +1,31 @@
 """The engine's configuration: batch sizes, context, sessions, prefix cache, watchdog.
 
 Frozen and validated at construction, so the engine and the HTTP layer read settings
-from one place and never check them again.
+from one place and never check them again. A running engine takes a new one
+(:meth:`Engine.reconfigure <furnace_trio.engine.Engine.reconfigure>`) for the
+:data:`LIVE_FIELDS` only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["EngineConfig"]
+__all__ = ["LIVE_FIELDS", "EngineConfig"]
+
+#: The settings :meth:`Engine.reconfigure <furnace_trio.engine.Engine.reconfigure>` changes
+#: while the engine serves; the others are fixed for the engine's life.
+LIVE_FIELDS = frozenset(
+    {
+        "max_running",
+        "max_waiting",
+        "max_step_tokens",
+        "session_ttl_s",
+        "session_max_blocks",
+        "max_sessions",
+        "step_timeout_s",
+        "max_response_bytes",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,7 +55,7 @@ import trio
 from furnace_trio.core.plan import SampledToken, StepPlan, StepRunner
 from furnace_trio.engine.backlog import Backlog
 from furnace_trio.engine.block_pool import BlockPool
-from furnace_trio.engine.config import EngineConfig
+from furnace_trio.engine.config import LIVE_FIELDS, EngineConfig
 from furnace_trio.engine.delivery import Outbox
 from furnace_trio.engine.errors import EngineBusy, EngineError, EngineUnavailable, check_request
 from furnace_trio.engine.events import FailureCause, GenerationRequest
@@ -295,6 +295,31 @@ class Engine:
         self._changed.unpark_all()
         return len(request_ids)
 
+    def reconfigure(self, config: EngineConfig) -> None:
+        """Apply the settings of ``config`` that can change while serving (see
+        :data:`~furnace_trio.engine.config.LIVE_FIELDS`): admission and step planning use
+        them from the next step on, a request already accepted keeps its backlog limit, and
+        session caps hold from the next session change. ``ValueError`` when another
+        setting differs from the engine's (those need a new engine). Never awaits."""
+        fixed = [
+            f.name
+            for f in dataclasses.fields(config)
+            if f.name not in LIVE_FIELDS and getattr(config, f.name) != getattr(self.config, f.name)
+        ]
+        if fixed:
+            raise ValueError(f"cannot change while serving: {', '.join(fixed)}")
+        self.config = config
+        self._scheduler.max_running = config.max_running
+        self._scheduler.max_step_tokens = config.max_step_tokens
+        store = self.sessions
+        store.ttl_s = config.session_ttl_s
+        max_blocks = config.session_max_blocks
+        store.max_blocks = self._pool.num_blocks // 2 if max_blocks is None else max_blocks
+        store.max_sessions = config.max_sessions
+        self._next_expiry = 0.0  # a shorter TTL applies at the next loop turn
+        self._wake.set()  # a larger max_running may admit queued requests now
+        self._changed.unpark_all()
+
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` as this engine's streams decode it."""
         return self._text.decode(token_ids)
@@ -400,7 +425,7 @@ class Engine:
             seed = self._turns.start(turn, request.request_id, params.seed)
             params = dataclasses.replace(params, seed=seed)
         self._scheduler.add(request.request_id, prompt, params, keep_kv=turn is not None)
-        backlog = Backlog(self.config.max_response_bytes)
+        backlog = Backlog(request.max_response_bytes or self.config.max_response_bytes)
         receive = self._outbox.open(request.request_id, len(prompt), params.n, backlog)
         self._wake.set()
         self._changed.unpark_all()

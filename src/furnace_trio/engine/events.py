@@ -106,3 +106,5 @@ class GenerationRequest:
     params: SamplingParams
     request_id: str = field(default_factory=_new_request_id)
     turn: Turn | None = None  # the session turn this request is (n == 1 only)
+    # Its own limit on what it may hold unsent (None: the engine's max_response_bytes).
+    max_response_bytes: int | None = None

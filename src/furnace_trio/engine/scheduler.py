@@ -316,7 +316,12 @@ class Scheduler:
         cached: list[int] = []
         while budget > 0 and self.waiting:
             group = self.waiting[0]
-            if self._num_slots + group.params.n > self.max_running or not self._admit(group):
+            # n > max_running only after max_running was lowered while it waited: it runs
+            # alone rather than never
+            over = self._num_slots + group.params.n > self.max_running
+            if (over and (self._num_slots or group.params.n <= self.max_running)) or not (
+                self._admit(group)
+            ):
                 break
             admitted.append(group.request_id)
             cached.append(group.cached_tokens)

@@ -7,7 +7,13 @@ streaming response but before its body generator started (its ``finally`` then n
 runs). The wrapper also counts responses by status for ``/metrics``, counts the HTTP
 requests in flight for the drain, holds back a response that would start before its
 request's body has arrived (:func:`_after_the_body`), and makes sure connections that must
-close do close:
+close do close (below).
+
+It also fixes each request's settings: the configuration in force when the request arrives
+(:func:`request_config`) is the one every check of that request uses to its end, whatever a
+reload (:mod:`~furnace_trio.server.reload`) changes meanwhile; and it keeps the per-key
+account (:class:`~furnace_trio.server.api_keys.KeyUsage`) of the key the request was
+served under (:func:`set_caller`). About connections:
 
 - The last message of a response is sent shielded from cancellation. Hypercorn 0.18's
   Trio worker runs the end of a response (closing a ``Connection: close`` or HTTP/1.0
@@ -26,14 +32,20 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
-from quart import request
+from quart import current_app, request
 
-from furnace_trio.server.state import ServerState
+from furnace_trio.server.api_keys import APIKey
+from furnace_trio.server.config import ServerConfig
+from furnace_trio.server.state import STATE_KEY, ServerState
 
 if TYPE_CHECKING:
     from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope, Scope
 
 SCOPE_KEY = "furnace_trio.request_ids"
+#: The request's configuration (see :func:`request_config`) and its API key.
+SETTINGS_KEY = "furnace_trio.settings"
+CALLER_KEY = "furnace_trio.api_key"
+IN_FLIGHT_KEY = "furnace_trio.key_in_flight"  # counted in its key's requests in flight
 
 #: How long a response that starts before its request's body waits for it (see
 #: :func:`_after_the_body`); :attr:`AbortOnExit.body_wait_s` holds the app's own.
@@ -107,6 +119,9 @@ class AbortOnExit:
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 self.state.http_responses[status] += 1
+                caller: APIKey | None = scope.get(CALLER_KEY)  # type: ignore[assignment]
+                if caller is not None:
+                    self.state.api_keys.responses[caller.name, status] += 1
                 if must_close:
                     message = _with_close(message)
                 if not body_received.is_set():
@@ -120,6 +135,7 @@ class AbortOnExit:
             await send(message)
 
         state = self.state
+        scope[SETTINGS_KEY] = state.config  # type: ignore[literal-required]
         if state.in_flight == 0:
             state.no_requests = trio.Event()
         state.in_flight += 1
@@ -129,12 +145,41 @@ class AbortOnExit:
             state.in_flight -= 1
             if state.in_flight == 0:
                 state.no_requests.set()
+            counted: APIKey | None = scope.get(CALLER_KEY)  # type: ignore[assignment]
+            if counted is not None and scope.get(IN_FLIGHT_KEY):
+                state.api_keys.leave(counted.name)
             backend = self.state.backend
-            if backend is not None:
-                for request_id in request_ids:
+            for request_id in request_ids:
+                state.api_keys.request_names.pop(request_id, None)
+                if backend is not None:
                     backend.engine.abort(request_id)
 
 
 def register_abort(request_id: str) -> None:
-    """Have :class:`AbortOnExit` abort ``request_id`` when the current request ends."""
+    """Have :class:`AbortOnExit` abort ``request_id`` when the current request ends (and
+    note the key name it is served under until then, for ``/status``)."""
     request.scope[SCOPE_KEY].append(request_id)  # type: ignore[literal-required]
+    caller = request_caller()
+    if caller is not None:
+        state: ServerState = current_app.extensions[STATE_KEY]
+        state.api_keys.request_names[request_id] = caller.name
+
+
+def request_config(state: ServerState) -> ServerConfig:
+    """The configuration the current request arrived under (the defaults before startup)."""
+    config: ServerConfig | None = request.scope.get(SETTINGS_KEY) or state.config  # type: ignore[assignment]
+    return config if config is not None else ServerConfig()
+
+
+def set_caller(state: ServerState, key: APIKey) -> None:
+    """The current request is served under ``key``: count it in flight until it ends (or
+    raise the 429 of the key's ``max_concurrent``)."""
+    request.scope[CALLER_KEY] = key  # type: ignore[literal-required]
+    state.api_keys.enter(key)
+    request.scope[IN_FLIGHT_KEY] = True  # type: ignore[literal-required]
+
+
+def request_caller() -> APIKey | None:
+    """The API key the current request presented, ``None`` on a server without keys."""
+    caller: APIKey | None = request.scope.get(CALLER_KEY)  # type: ignore[assignment]
+    return caller

@@ -44,8 +44,9 @@ GPU_KV_FRACTION = 0.5
 class Backend:
     """What the routes serve from: the engine, the tokenizer, the model's public name and
     context, the model's sampling defaults (applied to what a request leaves unset),
-    ``FURNACE_MAX_OUTPUT_TOKENS`` (``None``: no cap), and ``grammar``, built with the model
-    (see :meth:`GrammarCompiler.warm`; ``None`` builds it on the first grammar request)."""
+    ``FURNACE_MAX_OUTPUT_TOKENS`` (``None``: no cap; a reload changes it), ``grammar``, built
+    with the model (see :meth:`GrammarCompiler.warm`; ``None`` builds it on the first grammar
+    request), and the device type whose defaults :func:`engine_config` fills in."""
 
     engine: Engine
     tokenizer: Tokenizer
@@ -54,6 +55,7 @@ class Backend:
     generation: GenerationDefaults = NO_GENERATION_DEFAULTS
     max_output_tokens: int | None = None
     grammar: GrammarCompiler | None = None
+    device_type: str = "cpu"
 
 
 def _kv_cache_bytes(config: ServerConfig, device_type: str) -> int:
@@ -179,4 +181,5 @@ def load_backend(config: ServerConfig) -> Backend:
         generation=loaded.generation,
         max_output_tokens=config.max_output_tokens,
         grammar=grammar,
+        device_type=device.type,
     )

@@ -3,6 +3,9 @@
 Every value is parsed and checked once, at startup: a typo in a deployment should stop the
 server with a message naming the variable, not surface later as a confusing request error.
 Parsing does no I/O (the model path is not opened here; the backend factory does that).
+The same settings may come from a TOML file named by ``FURNACE_CONFIG``, read and merged
+with the environment by :mod:`furnace_trio.server.config_file`, and read again on a reload
+(:mod:`furnace_trio.server.reload`).
 """
 
 from __future__ import annotations
@@ -11,35 +14,26 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
 
 from furnace_trio.runtime.native.config import DEFAULT_NATIVE_CONFIG, NativeConfig
-from furnace_trio.server.config_values import ConfigError
-from furnace_trio.server.config_values import flag as _flag
-from furnace_trio.server.config_values import names as _names
-from furnace_trio.server.config_values import native_build as _native_build
-from furnace_trio.server.config_values import positive_float as _positive_float
+from furnace_trio.server.api_keys import APIKey
+from furnace_trio.server.config_env import check_values, environment_values
+from furnace_trio.server.config_values import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_MAX_SCHEMA_NODES,
+    ConfigError,
+    Device,
+)
 from furnace_trio.server.setting import Setting, setting, settings
 
-Device = Literal["cpu", "cuda", "auto"]
-DEVICES: tuple[str, ...] = ("cpu", "cuda", "auto")
-DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "q4")  # as quant.QUANTIZATIONS
-#: KV cache dtypes (``FURNACE_KV_CACHE_DTYPE``), as runner.KV_DTYPES.
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "model", "float16", "int8")
-LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-#: ``FURNACE_LOG_FORMAT``: lines for a person, or one JSON object a line for a collector.
-LOG_FORMATS: tuple[str, ...] = ("text", "json")
-#: Tool-call output formats (``auto``: from the model's chat template, see docs/tools.md).
-TOOL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3", "mistral")
-
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-#: What a request may hold unsent before it pauses (``FURNACE_MAX_RESPONSE_BYTES``).
-DEFAULT_MAX_RESPONSE_BYTES = 1024 * 1024
-#: JSON values (objects, arrays, strings, numbers, booleans, nulls; keys not counted) that
-#: the schemas of one request may hold together (see server.schema_check). OpenAI's own
-#: structured-output limits (5,000 properties, 1,000 enum values) fit schemas of this order.
-DEFAULT_MAX_SCHEMA_NODES = 20_000
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_RESPONSE_BYTES",
+    "DEFAULT_MAX_SCHEMA_NODES",
+    "ConfigError",
+    "ServerConfig",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,18 +77,21 @@ class ServerConfig:
     )
     api_key: str | None = field(
         default=None,
+        repr=False,
         metadata=setting(
             "FURNACE_API_KEY",
             "When set, requests to `/v1/...` and the tokenizer paths need "
-            "`Authorization: Bearer <key>` (401 otherwise); unset, no authentication.",
+            "`Authorization: Bearer <key>` (401 otherwise); unset (and no `[[api_keys]]`), no "
+            "authentication. Beside the config file's named keys it is named `default`.",
         ),
     )
     admin_key: str | None = field(
         default=None,
+        repr=False,
         metadata=setting(
             "FURNACE_ADMIN_KEY",
-            "When set, `GET /status` needs this key (and the API key does not open it); unset, "
-            "`/status` takes the API key.",
+            "When set, `GET /status` and `POST /admin/reload` need this key (and the API keys "
+            "do not open them); unset, they take the API keys.",
         ),
     )
     max_running: int | None = field(
@@ -338,150 +335,38 @@ class ServerConfig:
             "any. JSON endpoints accept only `Content-Type: application/json` (415 otherwise).",
         ),
     )
+    config_file: str | None = field(
+        default=None,
+        metadata=setting(
+            "FURNACE_CONFIG",
+            "A TOML file of these settings, each under its variable's name without `FURNACE_` in "
+            "lower case (`max_waiting = 64`), plus `[[api_keys]]`; a set variable wins over the "
+            "file. Read again on `POST /admin/reload` and on SIGHUP "
+            "([operations: config file](operations-config.md)).",
+        ),
+    )
+    api_keys: tuple[APIKey, ...] = field(
+        default=(),
+        repr=False,
+        metadata=setting(
+            "[[api_keys]]",
+            "Named API keys, each a table with `name`, `key` and optional `max_concurrent` "
+            "(requests in flight; more get 429), accepted beside `FURNACE_API_KEY`; the name "
+            "appears in the log line, `/status` and `/metrics` "
+            "([operations: config file](operations-config.md)).",
+            file_only=True,
+        ),
+    )
 
     def __post_init__(self) -> None:
-        if self.device not in DEVICES:
-            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.tool_parser not in TOOL_PARSERS:
-            raise ConfigError(
-                f"tool parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}"
-            )
-        if self.quantization not in QUANTIZATIONS:
-            raise ConfigError(
-                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(
-                f"KV cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                f"got {self.kv_cache_dtype!r}"
-            )
-        if self.log_level not in LOG_LEVELS:
-            raise ConfigError(
-                f"log level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
-            )
-        if self.log_format not in LOG_FORMATS:
-            raise ConfigError(
-                f"log format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}"
-            )
-        for name in (
-            "max_waiting",
-            "max_body_bytes",
-            "max_response_bytes",
-            "stream_interval",
-            "max_sequences_per_request",
-            "max_schema_nodes",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1")
-        if self.session_ttl_s <= 0:
-            raise ConfigError("session_ttl_s must be > 0")
-        if not self.step_timeout_s > 0:
-            raise ConfigError("step_timeout_s must be > 0")
-        if not self.drain_timeout_s >= 0:
-            raise ConfigError("drain_timeout_s must be >= 0")
-        if self.max_sessions < 1:
-            raise ConfigError("max_sessions must be at least 1")
-        if self.session_max_blocks is not None and self.session_max_blocks < 0:
-            raise ConfigError("session_max_blocks must be >= 0")
-        for name in (
-            "kv_cache_mb",
-            "max_context",
-            "max_output_tokens",
-            "max_running",
-            "max_step_tokens",
-        ):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{name} must be at least 1")
+        check_values(self)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> ServerConfig:
-        """Read ``FURNACE_*`` variables; unset or empty means the default.
-
-        Raises :class:`ConfigError` naming the variable on any invalid value.
-        """
-
-        def text(name: str) -> str | None:
-            value = environ.get(name, "").strip()
-            return value or None
-
-        def integer(name: str) -> int | None:
-            value = text(name)
-            if value is None:
-                return None
-            try:
-                number = int(value)
-            except ValueError:
-                raise ConfigError(f"{name} must be an integer, got {value!r}") from None
-            if number < 1:
-                raise ConfigError(f"{name} must be at least 1, got {number}")
-            return number
-
-        def choice(name: str, choices: tuple[str, ...], *, upper: bool = False) -> str | None:
-            value = text(name)
-            if value is None:
-                return None
-            value = value.upper() if upper else value.lower()
-            if value not in choices:
-                raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-            return value
-
-        defaults = cls()
-        device = choice("FURNACE_DEVICE", DEVICES) or defaults.device
-        max_running = integer("FURNACE_MAX_RUNNING")
-        max_waiting = integer("FURNACE_MAX_WAITING")
-        max_step_tokens = integer("FURNACE_MAX_STEP_TOKENS")
-        max_body_bytes = integer("FURNACE_MAX_BODY_BYTES")
-        max_response_bytes = integer("FURNACE_MAX_RESPONSE_BYTES")
-        stream_interval = integer("FURNACE_STREAM_INTERVAL")
-        return cls(
-            model=text("FURNACE_MODEL"),
-            model_name=text("FURNACE_MODEL_NAME"),
-            device=device,  # type: ignore[arg-type]  # checked by choice()
-            dtype=choice("FURNACE_DTYPE", DTYPES) or defaults.dtype,
-            api_key=text("FURNACE_API_KEY"),
-            admin_key=text("FURNACE_ADMIN_KEY"),
-            max_running=max_running,
-            max_waiting=max_waiting if max_waiting is not None else defaults.max_waiting,
-            max_sequences_per_request=integer("FURNACE_MAX_SEQUENCES_PER_REQUEST")
-            or defaults.max_sequences_per_request,
-            max_schema_nodes=integer("FURNACE_MAX_SCHEMA_NODES") or defaults.max_schema_nodes,
-            max_step_tokens=max_step_tokens,
-            kv_cache_mb=integer("FURNACE_KV_CACHE_MB"),
-            kv_cache_dtype=choice("FURNACE_KV_CACHE_DTYPE", KV_CACHE_DTYPES)
-            or defaults.kv_cache_dtype,
-            max_context=integer("FURNACE_MAX_CONTEXT"),
-            max_output_tokens=integer("FURNACE_MAX_OUTPUT_TOKENS"),
-            max_body_bytes=max_body_bytes
-            if max_body_bytes is not None
-            else defaults.max_body_bytes,
-            max_response_bytes=max_response_bytes or defaults.max_response_bytes,
-            log_level=choice("FURNACE_LOG_LEVEL", LOG_LEVELS, upper=True) or defaults.log_level,
-            log_format=choice("FURNACE_LOG_FORMAT", LOG_FORMATS) or defaults.log_format,
-            tool_parser=choice("FURNACE_TOOL_PARSER", TOOL_PARSERS) or defaults.tool_parser,
-            quantization=choice("FURNACE_QUANT", QUANTIZATIONS) or defaults.quantization,
-            session_ttl_s=_positive_float(environ, "FURNACE_SESSION_TTL_S", defaults.session_ttl_s),
-            session_max_blocks=integer("FURNACE_SESSION_MAX_BLOCKS"),
-            max_sessions=integer("FURNACE_MAX_SESSIONS") or defaults.max_sessions,
-            prefix_cache=_flag(environ, "FURNACE_PREFIX_CACHE", defaults.prefix_cache),
-            step_timeout_s=_positive_float(
-                environ, "FURNACE_STEP_TIMEOUT_S", defaults.step_timeout_s
-            ),
-            stream_interval=stream_interval or defaults.stream_interval,
-            cuda_graphs=_flag(environ, "FURNACE_CUDA_GRAPHS", defaults.cuda_graphs),
-            drain_timeout_s=_positive_float(
-                environ, "FURNACE_DRAIN_TIMEOUT_S", defaults.drain_timeout_s, allow_zero=True
-            ),
-            exit_on_engine_failure=_flag(
-                environ, "FURNACE_EXIT_ON_ENGINE_FAILURE", defaults.exit_on_engine_failure
-            ),
-            native=_flag(environ, "FURNACE_NATIVE", defaults.native),
-            native_build=_native_build(environ),
-            allowed_hosts=_names(environ, "FURNACE_ALLOWED_HOSTS", origins=False),
-            cors_origins=_names(environ, "FURNACE_CORS_ORIGINS", origins=True),
-        )
+        """Read ``FURNACE_*`` variables (:mod:`furnace_trio.server.config_env`); unset or
+        empty means the default. Raises :class:`ConfigError` naming the variable on any
+        invalid value."""
+        return cls(**environment_values(environ, cls()))
 
     @property
     def sequences_per_request(self) -> int:

@@ -70,7 +70,9 @@ def default_text(field_name: str, record: Setting) -> str:
 
 def render_configuration() -> str:
     """The whole page."""
-    entries = all_settings()
+    found = all_settings()
+    entries = [(name, record) for name, record in found if not record.file_only]
+    file_only = [(name, record) for name, record in found if record.file_only]
     lines = [INTRO, "| variable | default |", "| --- | --- |"]
     for field_name, record in entries:
         lines.append(
@@ -80,6 +82,17 @@ def render_configuration() -> str:
         lines += [
             "",
             f"## {record.env}",
+            "",
+            f"Default: {default_text(field_name, record)}. (`ServerConfig.{field_name}`)",
+            "",
+            record.doc,
+        ]
+    if file_only:
+        lines += ["", "## In the config file only"]
+    for field_name, record in file_only:
+        lines += [
+            "",
+            f"### `{record.env}`",
             "",
             f"Default: {default_text(field_name, record)}. (`ServerConfig.{field_name}`)",
             "",

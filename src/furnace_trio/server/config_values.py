@@ -7,8 +7,29 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 from furnace_trio.runtime.native.config import DEFAULT_NATIVE_CONFIG, NativeConfig
+
+Device = Literal["cpu", "cuda", "auto"]
+DEVICES: tuple[str, ...] = ("cpu", "cuda", "auto")
+DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "q4")  # as quant.QUANTIZATIONS
+#: KV cache dtypes (``FURNACE_KV_CACHE_DTYPE``), as runner.KV_DTYPES.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "model", "float16", "int8")
+LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: ``FURNACE_LOG_FORMAT``: lines for a person, or one JSON object a line for a collector.
+LOG_FORMATS: tuple[str, ...] = ("text", "json")
+#: Tool-call output formats (``auto``: from the model's chat template, see docs/tools.md).
+TOOL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3", "mistral")
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+#: What a request may hold unsent before it pauses (``FURNACE_MAX_RESPONSE_BYTES``).
+DEFAULT_MAX_RESPONSE_BYTES = 1024 * 1024
+#: JSON values (objects, arrays, strings, numbers, booleans, nulls; keys not counted) that
+#: the schemas of one request may hold together (see server.schema_check). OpenAI's own
+#: structured-output limits (5,000 properties, 1,000 enum values) fit schemas of this order.
+DEFAULT_MAX_SCHEMA_NODES = 20_000
 
 
 class ConfigError(ValueError):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
-from quart import Response
+from quart import Response, current_app
 
 from furnace_trio.core.params import SamplingParams, TokenConstraint
 from furnace_trio.engine import (
@@ -33,7 +33,7 @@ from furnace_trio.engine import (
     RequestTooLarge,
 )
 from furnace_trio.engine.sessions import Turn
-from furnace_trio.server.asgi import register_abort
+from furnace_trio.server.asgi import register_abort, request_caller, request_config
 from furnace_trio.server.chat_request import ChatRequest
 from furnace_trio.server.completion_request import CompletionRequest
 from furnace_trio.server.echo import Echo
@@ -47,7 +47,7 @@ from furnace_trio.server.response_body import (
     stream_body,
 )
 from furnace_trio.server.sse import SSE_HEADERS, Collector, Kind, dumps
-from furnace_trio.server.state import BUSY_RETRY_AFTER_S, shutting_down
+from furnace_trio.server.state import BUSY_RETRY_AFTER_S, STATE_KEY, ServerState, shutting_down
 from furnace_trio.server.stream_group import StreamGroup
 from furnace_trio.server.tool_stream import ToolCallStream
 
@@ -139,12 +139,28 @@ def start_generation(
     fold into; the caller shapes the response (see :func:`generate`)."""
     if request_id is None:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    # The limits of the configuration this request arrived under (a reload changes them
+    # for later requests only). The engine's backlog limit is the current configuration's,
+    # so the request names its own only when a reload came after it arrived.
+    state = _state()
+    config = request_config(state)
+    own_backlog = config.max_response_bytes if config is not state.config else None
     generations = [
         GenerationRequest(
             prompt_token_ids=prompt_ids,
-            params=_params(backend, kind, parsed, prompt_ids, prompt_param, constraint, which),
+            params=_params(
+                backend,
+                kind,
+                parsed,
+                prompt_ids,
+                prompt_param,
+                constraint,
+                which,
+                config.max_output_tokens,
+            ),
             request_id=request_id if len(prompts) == 1 else f"{request_id}-{which}",
             turn=turn,
+            max_response_bytes=own_backlog,
         )
         for which, prompt_ids in enumerate(prompts)
     ]
@@ -164,6 +180,7 @@ def start_generation(
         longest_prompt=max(len(prompt_ids) for prompt_ids in prompts),
         max_context=backend.max_context,
         kv_blocks=backend.engine.kv_blocks,
+        key_name=caller.name if (caller := request_caller()) is not None else None,
     )
     tools: ToolCallStream | Echo | None = None
     if tool_stream is not None:
@@ -209,6 +226,10 @@ async def collect(started: Started, on_event: Callable[[object], object] | None 
         timing.log(started.collector)
 
 
+def _state() -> ServerState:
+    return current_app.extensions[STATE_KEY]  # type: ignore[no-any-return]
+
+
 def _params(
     backend: Backend,
     kind: Kind,
@@ -217,6 +238,7 @@ def _params(
     prompt_param: str,
     constraint: TokenConstraint | None,
     which: int,
+    max_output_tokens: int | None,
 ) -> SamplingParams:
     """One prompt's sampling parameters (its ``max_tokens`` depends on its length); a
     prompt of a batch is named in the error."""
@@ -228,7 +250,7 @@ def _params(
             prompt_tokens=len(prompt_ids),
             max_context=backend.max_context,
             default=None if kind == "chat" else COMPLETIONS_DEFAULT_MAX_TOKENS,
-            limit=backend.max_output_tokens,
+            limit=max_output_tokens,
             prompt_param=prompt_param,
             max_tokens_param=parsed.sampling.max_tokens_param,
         )

@@ -1,9 +1,11 @@
 """The app's lifecycle: start the backend, supervise the engine, drain and stop.
 
 - ``before_serving`` (:func:`start_backend`) reads the configuration (from the environment
-  unless one was given), runs the blocking backend factory in a worker thread and starts
-  the engine in ``app.nursery`` with ``nursery.start``, so hypercorn accepts connections
-  only once the model is ready.
+  and the ``FURNACE_CONFIG`` file unless one was given), runs the blocking backend factory
+  in a worker thread and starts the engine in ``app.nursery`` with ``nursery.start``, so
+  hypercorn accepts connections only once the model is ready. It also starts the SIGHUP
+  listener that reloads the configuration (:mod:`~furnace_trio.server.reload`), which
+  :func:`stop_backend` cancels.
 - The engine runs under a supervisor (:func:`_supervise_engine`): if it dies (or its step
   watchdog fires), ``/health`` and every new request answer 503, and streams in flight end
   with an SSE error event; with ``exit_on_engine_failure`` the process then exits with
@@ -33,8 +35,9 @@ from collections.abc import Awaitable, Callable
 import trio
 from quart_trio import QuartTrio
 
-from furnace_trio.server.config import ServerConfig
+from furnace_trio.server.config_file import load_config
 from furnace_trio.server.log_setup import configure_logging
+from furnace_trio.server.reload import reload_on_sighup
 from furnace_trio.server.state import STATE_KEY, ServerState
 
 logger = logging.getLogger(__name__)
@@ -49,11 +52,19 @@ CANCEL_GRACE_S = 2.0
 
 async def start_backend(app: QuartTrio, state: ServerState) -> None:
     """Configure, load the backend in a worker thread, start the supervised engine."""
+    shadowed: tuple[str, ...] = ()
     if state.config is None:
-        state.config = ServerConfig.from_env()
+        loaded = load_config()
+        state.config, shadowed = loaded.config, loaded.shadowed
     cfg = state.config
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes
     configure_logging(cfg.log_level, cfg.log_format)
+    if cfg.config_file is not None:
+        logger.info(
+            "settings from %s%s",
+            cfg.config_file,
+            f"; set in the environment, over the file: {', '.join(shadowed)}" if shadowed else "",
+        )
     factory = state.backend_factory
     if factory is None:
         from furnace_trio.server.backend import load_backend
@@ -61,6 +72,7 @@ async def start_backend(app: QuartTrio, state: ServerState) -> None:
         factory = load_backend
     state.backend = await trio.to_thread.run_sync(factory, cfg)
     await app.nursery.start(_supervise_engine, state)
+    await app.nursery.start(_reload_on_sighup, app, state)
     gc.collect()
     gc.freeze()
     logger.info(
@@ -79,7 +91,17 @@ async def stop_backend(state: ServerState) -> None:
         backend.engine.shutdown()
     if state.engine_scope is not None:
         state.engine_scope.cancel()
+    if state.background is not None:
+        state.background.cancel()
     gc.unfreeze()
+
+
+async def _reload_on_sighup(
+    app: QuartTrio, state: ServerState, *, task_status: trio.TaskStatus[None]
+) -> None:
+    with trio.CancelScope() as scope:
+        state.background = scope
+        await reload_on_sighup(app, state, task_status=task_status)
 
 
 async def _supervise_engine(

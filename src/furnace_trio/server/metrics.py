@@ -146,3 +146,12 @@ def render_metrics(
     for status, count in sorted(http_responses.items()):
         lines.append(f'furnace_http_responses_total{{status="{status}"}} {count}')
     return "\n".join(lines) + "\n"
+
+
+def render_config_generation(generation: int) -> str:
+    """The configuration's generation (1 at startup, one more at each reload) as a gauge."""
+    return (
+        "# HELP furnace_config_generation The configuration's generation: 1 at startup, "
+        "one more at each reload.\n# TYPE furnace_config_generation gauge\n"
+        f"furnace_config_generation {generation}\n"
+    )

@@ -15,6 +15,7 @@ from typing import Any
 
 from furnace_trio import __version__
 from furnace_trio.server.openapi_schemas import SCHEMAS, ref
+from furnace_trio.server.reload import RELOAD_SCHEMA
 from furnace_trio.server.responses_openapi import stream_event_schema
 from furnace_trio.server.responses_schemas import MAX_LIST_LIMIT
 from furnace_trio.server.schemas import MAX_SESSION_ID_LENGTH
@@ -26,6 +27,7 @@ _ERROR_STATUSES: Mapping[str, str] = {
     "409": "Another turn of this session (or continuation of this response) is running.",
     "413": "The body is larger than the server accepts.",
     "415": "The body is not sent as application/json.",
+    "429": "The API key's max_concurrent requests are in flight (with Retry-After).",
     "500": "The model failed on this request.",
     "503": "Busy (with Retry-After), draining, or the engine is down.",
 }
@@ -43,7 +45,7 @@ def _errors(*statuses: str) -> dict[str, Any]:
     return {s: _json(ref("Error"), _ERROR_STATUSES[s]) for s in statuses}
 
 
-_GENERATION_ERRORS = ("400", "401", "404", "413", "415", "500", "503")
+_GENERATION_ERRORS = ("400", "401", "404", "413", "415", "429", "500", "503")
 _SSE_DESCRIPTION = (
     "With stream=true: server-sent events, one `data: <{}>` per chunk, an error object as "
     '`data: {{"error": ...}}` if generation fails mid-stream, then `data: [DONE]`. The schema '
@@ -301,6 +303,16 @@ def openapi_document() -> dict[str, Any]:
                 "operationId": "status",
                 "description": "Behind FURNACE_ADMIN_KEY when set, else the API key.",
                 "responses": {"200": _json(ref("Status"), "The status.")} | _errors("401", "503"),
+            }
+        },
+        "/admin/reload": {
+            "post": {
+                "summary": "Read the configuration again and apply what can change live",
+                "operationId": "reloadConfig",
+                "description": "Behind FURNACE_ADMIN_KEY when set, else the API keys. "
+                "See docs/operations-config.md.",
+                "responses": {"200": _json(RELOAD_SCHEMA, "Reloaded.")}
+                | _errors("400", "401", "415"),
             }
         },
         "/openapi.json": {

@@ -21,9 +21,10 @@ from pathlib import Path
 
 from furnace_trio.engine.stats import EngineStatistics
 from furnace_trio.server import api_reference
+from furnace_trio.server.api_keys import KeyUsage, render_key_metrics
 from furnace_trio.server.api_reference import anchor
 from furnace_trio.server.config_reference import render_configuration
-from furnace_trio.server.metrics import render_metrics
+from furnace_trio.server.metrics import render_config_generation, render_metrics
 from furnace_trio.server.openapi import openapi_document
 from furnace_trio.server.tool_stream import render_fallback_metrics
 
@@ -120,7 +121,12 @@ in flight, are in [operations](operations.md#metrics).
 def render_metrics_page() -> str:
     """The whole of ``docs/metrics.md``: every ``# HELP`` and ``# TYPE`` that ``/metrics``
     writes (with empty statistics, so labelled series show as their bare names)."""
-    text = render_metrics(EngineStatistics(), {}, engine_up=True) + render_fallback_metrics({})
+    text = (
+        render_metrics(EngineStatistics(), {}, engine_up=True)
+        + render_fallback_metrics({})
+        + render_key_metrics(KeyUsage())
+        + render_config_generation(1)
+    )
     helps: dict[str, str] = {}
     kinds: dict[str, str] = {}
     for line in text.splitlines():

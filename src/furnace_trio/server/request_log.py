@@ -8,7 +8,8 @@ the client left never gets. Its :meth:`~RequestTiming.log` runs once, when the r
 ends however it ends, and writes one line, whose numbers the JSON log format also carries
 as fields (:mod:`furnace_trio.server.log_setup`). The line also says how close the request came to the context limit (``context=<tokens>/<max>``: its
 longest prompt plus its longest choice) and how full the KV cache was when it ended
-(``kv=<used>/<total>`` blocks), the two limits an operator tunes.
+(``kv=<used>/<total>`` blocks), the two limits an operator tunes, and the name of the API
+key it was served under (``key=<name>``, ``-`` on a server without keys; never the key).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class RequestTiming:
     kv_blocks: Callable[[], tuple[int, int]] | None = None
     #: Tokens of the deltas taken off the engine's stream, every sample together.
     streamed_tokens: int = 0
+    #: The name of the API key it was served under (``None``: a server without keys).
+    key_name: str | None = None
 
     def observe(self, event: object) -> None:
         """Count an engine event's tokens (before any tool-call or echo translation, which
@@ -68,6 +71,7 @@ class RequestTiming:
         fields = {
             "request_id": self.request_id,
             "status": self.status,
+            "api_key_name": self.key_name,
             "prompt_tokens": collector.prompt_tokens,
             "cached_tokens": collector.cached_tokens,
             "generated_tokens": generated,
@@ -84,7 +88,7 @@ class RequestTiming:
         logger.info(
             "request %s status=%d prompt_tokens=%d cached_tokens=%d generated_tokens=%d "
             "context=%d/%d kv=%d/%d blocks (%.0f%%) "
-            "queue_time=%.3fs prefill=%.1f tok/s decode=%.1f tok/s finish=%s total=%.3fs",
+            "queue_time=%.3fs prefill=%.1f tok/s decode=%.1f tok/s finish=%s total=%.3fs key=%s",
             self.request_id,
             self.status,
             collector.prompt_tokens,
@@ -100,5 +104,6 @@ class RequestTiming:
             decode_rate,
             reasons,
             end - self.started,
+            self.key_name or "-",
             extra={FIELDS: fields},
         )

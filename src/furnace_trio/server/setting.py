@@ -27,14 +27,19 @@ class Setting:
     env: str
     doc: str
     default: str | None = None
+    #: Only the config file (``FURNACE_CONFIG``) sets it; ``env`` is then its key there.
+    file_only: bool = False
 
 
-def setting(env: str, doc: str, *, shown: str | None = None) -> Mapping[str, Any]:
+def setting(
+    env: str, doc: str, *, shown: str | None = None, file_only: bool = False
+) -> Mapping[str, Any]:
     """The metadata of a field read from the variable ``env``, for
     ``dataclasses.field(default=..., metadata=setting(...))``; ``shown`` is how the manual
     states the default where the value alone would mislead (``None`` fields that the backend
-    fills in by device)."""
-    return {METADATA_KEY: (Setting(env, doc, shown),)}
+    fills in by device). ``file_only``: no variable sets it, only the config file, where
+    ``env`` is its key."""
+    return {METADATA_KEY: (Setting(env, doc, shown, file_only),)}
 
 
 def settings(*records: Setting) -> Mapping[str, Any]:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from furnace_trio.server.api_keys import KeyUsage
 from furnace_trio.server.config import ServerConfig
 from furnace_trio.server.errors import APIError
 from furnace_trio.server.off_loop import OffLoop
@@ -54,6 +55,10 @@ class ServerState:
     in_flight: int = 0  # HTTP requests inside the app right now
     no_requests: trio.Event = field(default_factory=trio.Event)  # set while in_flight == 0
     exit_process: Callable[[int], object] = os._exit  # tests inject a recorder
+    # Bumped by each reload that applied a configuration (server.reload); 1 at startup.
+    config_generation: int = 1
+    api_keys: KeyUsage = field(default_factory=KeyUsage)  # requests per API key name
+    background: trio.CancelScope | None = None  # the SIGHUP listener (server.lifecycle)
 
     def serving_backend(self) -> Backend:
         """The backend if its engine is running, else a 503 :class:`APIError`."""

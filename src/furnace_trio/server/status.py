@@ -10,12 +10,13 @@ time are ``/metrics``'s.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from furnace_trio.engine import EngineStatus, RequestPhase, RequestStatus
 
 
-def _request(request: RequestStatus) -> dict[str, Any]:
+def _request(request: RequestStatus, key_name: str | None) -> dict[str, Any]:
     return {
         "id": request.request_id,
         "phase": request.phase.value,
@@ -27,15 +28,26 @@ def _request(request: RequestStatus) -> dict[str, Any]:
         "kv_blocks": {"used": request.kv_blocks_used, "reserved": request.kv_blocks_reserved},
         "age_s": round(request.age_s, 3),
         "session_id": request.session_id,
+        "api_key_name": key_name,
     }
 
 
-def status_body(status: EngineStatus, *, model: str, http_in_flight: int) -> dict[str, Any]:
-    """The JSON object of ``/status`` (see :data:`STATUS_SCHEMA`)."""
+def status_body(
+    status: EngineStatus,
+    *,
+    model: str,
+    http_in_flight: int,
+    config_generation: int = 1,
+    key_names: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The JSON object of ``/status`` (see :data:`STATUS_SCHEMA`). ``key_names`` maps request
+    ids to the names of the API keys they are served under."""
+    names = key_names or {}
     return {
         "object": "status",
         "model": model,
         "http_requests_in_flight": http_in_flight,
+        "config_generation": config_generation,
         "engine": {
             "state": status.state,
             "alive": status.alive,
@@ -53,7 +65,9 @@ def status_body(status: EngineStatus, *, model: str, http_in_flight: int) -> dic
                 "cached": status.kv_blocks_cached,
             },
         },
-        "requests": [_request(request) for request in status.requests],
+        "requests": [
+            _request(request, names.get(request.request_id)) for request in status.requests
+        ],
     }
 
 
@@ -86,6 +100,10 @@ _REQUEST_FIELDS: dict[str, Any] = {
     },
     "age_s": {"type": "number", "minimum": 0, "description": "Seconds since it was accepted."},
     "session_id": {"type": ["string", "null"]},
+    "api_key_name": {
+        "type": ["string", "null"],
+        "description": "The name of the API key it is served under (null: no keys).",
+    },
 }
 _ENGINE_FIELDS: dict[str, Any] = {
     "state": {"enum": ["new", "running", "shutting down", "draining", "stopped", "dead"]},
@@ -101,12 +119,24 @@ _ENGINE_FIELDS: dict[str, Any] = {
 #: The JSON Schema of the ``/status`` body.
 STATUS_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "required": ["object", "model", "http_requests_in_flight", "engine", "requests"],
+    "required": [
+        "object",
+        "model",
+        "http_requests_in_flight",
+        "config_generation",
+        "engine",
+        "requests",
+    ],
     "additionalProperties": False,
     "properties": {
         "object": {"const": "status"},
         "model": {"type": "string"},
         "http_requests_in_flight": _COUNT,
+        "config_generation": {
+            "type": "integer",
+            "minimum": 1,
+            "description": "1 at startup, one more at each reload (POST /admin/reload, SIGHUP).",
+        },
         "engine": {
             "type": "object",
             "required": list(_ENGINE_FIELDS),

@@ -7,12 +7,13 @@
 - :mod:`.responses`: ``/v1/responses`` and ``/v1/responses/<id>`` (``input_items`` too)
 - :mod:`.tokenizer`: ``/tokenize``, ``/detokenize``, ``/tokenizer_info``
 - :mod:`.status`: ``/status``
+- :mod:`.admin`: ``/admin/reload``
 - :mod:`.page`: ``/``, the chat page, and its files under ``/static/``
 - :mod:`.docs`: ``/docs``, the API reference rendered from ``/openapi.json``
 
 Everything under ``/v1`` and the tokenizer paths is behind the API key, when the server has
-one; ``/status`` behind the admin key (else the API key); ``/health``, ``/metrics``,
-``/openapi.json``, ``/docs`` and the chat page are open.
+one; ``/status`` and ``/admin/...`` behind the admin key (else the API keys); ``/health``,
+``/metrics``, ``/openapi.json``, ``/docs`` and the chat page are open.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from quart_trio import QuartTrio
 
 from furnace_trio.server.auth import check_admin_key, check_api_key
 from furnace_trio.server.routes import (
+    admin,
     chat,
     completions,
     docs,
@@ -32,6 +34,7 @@ from furnace_trio.server.routes import (
     status,
     tokenizer,
 )
+from furnace_trio.server.routes.admin import ADMIN_PREFIX
 from furnace_trio.server.routes.status import STATUS_PATH
 from furnace_trio.server.routes.tokenizer import TOKENIZER_PATHS
 from furnace_trio.server.state import ServerState
@@ -44,8 +47,20 @@ def register_routes(app: QuartTrio, state: ServerState) -> None:
     async def authenticate() -> None:
         if request.path.startswith("/v1") or request.path in TOKENIZER_PATHS:
             check_api_key(state)
-        elif request.path == STATUS_PATH:
+        elif request.path == STATUS_PATH or request.path.startswith(ADMIN_PREFIX):
             check_admin_key(state)
 
-    for family in (service, chat, completions, responses, sessions, tokenizer, status, page, docs):
+    families = (
+        service,
+        chat,
+        completions,
+        responses,
+        sessions,
+        tokenizer,
+        status,
+        admin,
+        page,
+        docs,
+    )
+    for family in families:
         family.register(app, state)

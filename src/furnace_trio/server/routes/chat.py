@@ -152,7 +152,7 @@ def _tool_stream(
     """How to parse this request's output for tool calls (None: plain content)."""
     if parsed.tool_choice == "none" or not parsed.tools:
         return None
-    configured = state.config.tool_parser if state.config is not None else "auto"
+    configured = config_of(state).tool_parser
     fmt = tool_call_format(configured, backend.tokenizer.chat_template)
 
     def make(request_id: str, n: int) -> ToolCallStream:
@@ -174,7 +174,7 @@ def _grammar_forces_calls(state: ServerState, backend: Backend, parsed: ChatRequ
     Hermes format; other formats are left to the prompt's instruction."""
     if parsed.tool_choice not in ("required", "function"):
         return False
-    configured = state.config.tool_parser if state.config is not None else "auto"
+    configured = config_of(state).tool_parser
     return tool_call_format(configured, backend.tokenizer.chat_template).value == "hermes"
 
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from quart import request
 
+from furnace_trio.server.asgi import request_config
 from furnace_trio.server.config import ServerConfig
 from furnace_trio.server.errors import APIError
 from furnace_trio.server.protocol import max_prompt_chars
@@ -37,8 +38,9 @@ async def read_body() -> bytes:
 
 
 def config_of(state: ServerState) -> ServerConfig:
-    """The serving configuration (the defaults until startup has read it)."""
-    return state.config if state.config is not None else ServerConfig()
+    """The configuration the current request arrived under (the defaults until startup has
+    read it): a reload meanwhile changes nothing for this request."""
+    return request_config(state)
 
 
 def check_model(backend: Backend, model: str | None) -> None:

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 from quart import Response
 from quart_trio import QuartTrio
 
+from furnace_trio.server.api_keys import accepted_keys, render_key_metrics
 from furnace_trio.server.errors import APIError
-from furnace_trio.server.metrics import render_metrics
+from furnace_trio.server.metrics import render_config_generation, render_metrics
 from furnace_trio.server.openapi import openapi_document
-from furnace_trio.server.routes.common import check_model
+from furnace_trio.server.routes.common import check_model, config_of
 from furnace_trio.server.sse import dumps
 from furnace_trio.server.state import ServerState
 from furnace_trio.server.tool_stream import render_fallback_metrics
@@ -39,6 +40,10 @@ def register(app: QuartTrio, state: ServerState) -> None:
         stats = backend.engine.statistics() if backend is not None else None
         text = render_metrics(stats, state.http_responses, engine_up=state.engine_running)
         text += render_fallback_metrics(state.tool_call_fallbacks)
+        cfg = config_of(state)
+        names = (key.name for key in accepted_keys(cfg.api_key, cfg.api_keys))
+        text += render_key_metrics(state.api_keys, names)
+        text += render_config_generation(state.config_generation)
         return Response(text, mimetype="text/plain; version=0.0.4")
 
     openapi_body = dumps(openapi_document())  # built from the validator's own field tables
@@ -55,7 +60,7 @@ def register(app: QuartTrio, state: ServerState) -> None:
             "owned_by": "furnace-trio",
             "max_model_len": backend.max_context,
             # What a request that leaves these unset gets (docs/api-guide.md, output length).
-            "max_output_tokens": backend.max_output_tokens,
+            "max_output_tokens": config_of(state).max_output_tokens,
             "generation_defaults": backend.generation.as_dict(),
         }
 

@@ -26,6 +26,10 @@ def register(app: QuartTrio, state: ServerState) -> None:
         if backend is None:
             raise APIError(503, "The model is still loading.", code="unavailable")
         body = status_body(
-            backend.engine.status(), model=backend.model_name, http_in_flight=state.in_flight
+            backend.engine.status(),
+            model=backend.model_name,
+            http_in_flight=state.in_flight,
+            config_generation=state.config_generation,
+            key_names=state.api_keys.request_names,
         )
         return Response(dumps(body), mimetype="application/json")
