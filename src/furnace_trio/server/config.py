@@ -84,6 +84,9 @@ class ServerConfig:
     prefix_cache: bool = True
     step_timeout_s: float = 120.0
     stream_interval: int = 1
+    # Prefill paced to this inter-token latency for running streams (None: the fixed
+    # max_step_tokens budget alone); see furnace_trio.engine.pacing.
+    target_itl_ms: float | None = None
     # All-decode steps on a GPU replayed from CUDA graphs (see furnace_trio.runtime.cuda_graphs).
     cuda_graphs: bool = True
     drain_timeout_s: float = 30.0
@@ -135,6 +138,8 @@ class ServerConfig:
             raise ConfigError("session_ttl_s must be > 0")
         if not self.step_timeout_s > 0:
             raise ConfigError("step_timeout_s must be > 0")
+        if self.target_itl_ms is not None and not 0 < self.target_itl_ms < float("inf"):
+            raise ConfigError("target_itl_ms must be a finite number > 0")
         if not self.drain_timeout_s >= 0:
             raise ConfigError("drain_timeout_s must be >= 0")
         if self.max_sessions < 1:
@@ -226,6 +231,9 @@ class ServerConfig:
                 environ, "FURNACE_STEP_TIMEOUT_S", defaults.step_timeout_s
             ),
             stream_interval=stream_interval or defaults.stream_interval,
+            # unset or 0: no pacing
+            target_itl_ms=_positive_float(environ, "FURNACE_TARGET_ITL_MS", 0.0, allow_zero=True)
+            or None,
             cuda_graphs=_flag(environ, "FURNACE_CUDA_GRAPHS", defaults.cuda_graphs),
             drain_timeout_s=_positive_float(
                 environ, "FURNACE_DRAIN_TIMEOUT_S", defaults.drain_timeout_s, allow_zero=True
