@@ -1,6 +1,7 @@
 """Greedy answers over the socket do not depend on the prefix cache, on the other requests
-of the same steps, on streaming or on how the prefill is chunked: the server as configured by default (the embedded
-model, its own weights' formats, the native CPU kernels) through the official client."""
+of the same steps, on streaming or on how the prefill is chunked: the server as configured
+by default (the embedded model, its own weights' formats, the native CPU kernels) through
+the official client."""
 
 from __future__ import annotations
 
