@@ -21,6 +21,7 @@ from furnace_trio.engine import (
     GenerationRequest,
     RequestStream,
 )
+from furnace_trio.engine.pacing import StepPacer
 
 from ..scripted import EOS, ScriptedRunner, decode, encode, token_bytes
 
@@ -57,6 +58,7 @@ async def serving(
     runner: ScriptedRunner,
     config: EngineConfig | None = None,
     decode: Callable[[list[int]], str] = decode,
+    pacer: StepPacer | None = None,
 ) -> AsyncIterator[Engine]:
     engine = Engine(
         runner,
@@ -64,6 +66,7 @@ async def serving(
         eos_token_ids=frozenset({EOS}),
         token_bytes=token_bytes,
         config=config or EngineConfig(),
+        pacer=pacer,
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)

@@ -30,8 +30,10 @@ def test_engine_config_takes_the_server_settings() -> None:
         prefix_cache=False,
         step_timeout_s=2.5,
         stream_interval=4,
+        target_itl_ms=50.0,
     )
     engine = engine_config(config, "cpu")
+    assert engine.target_itl_ms == 50.0
     assert (engine.max_running, engine.max_waiting, engine.max_step_tokens) == (4, 9, 64)
     assert (engine.session_ttl_s, engine.session_max_blocks, engine.max_sessions) == (5.0, 7, 3)
     assert engine.prefix_cache is False
@@ -44,6 +46,7 @@ def test_engine_config_fills_in_the_device_defaults() -> None:
         engine = engine_config(ServerConfig(), device)
         assert (engine.max_running, engine.max_step_tokens) == (running, step_tokens)
         assert engine.stream_interval == 1
+        assert engine.target_itl_ms is None
     # a max_running above the device's step budget raises the budget with it
     assert engine_config(ServerConfig(max_running=600), "cpu").max_step_tokens == 600
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from furnace_trio.engine.pacing import StepPacer
 from furnace_trio.engine.stats import EngineMetrics, EngineStatistics
 from furnace_trio.server.metrics import render_metrics
 
@@ -44,3 +45,24 @@ def test_render_metrics_without_backend() -> None:
     assert "furnace_engine_up 0" in text
     assert "furnace_requests_running" not in text
     assert render_metrics(EngineStatistics(), {}, engine_up=True).count("_bucket{") == 6 * 19
+
+
+def test_render_metrics_has_the_pacers_gauges() -> None:
+    pacer = StepPacer(1.0)
+    pacer.observe(0, 8, 0.25)
+    pacer.observe(100, 8, 0.5)
+    pacer.prefill_budget(8, 504)
+    stats = EngineMetrics().snapshot(
+        running=8, waiting=0, kv_used=3, kv_total=12, alive=True, pacing=pacer.status()
+    )
+    lines = set(render_metrics(stats, {}, engine_up=True).splitlines())
+    assert "furnace_pacing_target_seconds 1" in lines
+    assert "furnace_pacing_prefill_token_seconds 0.0025" in lines
+    assert "furnace_pacing_chunk_tokens 300" in lines
+    assert "# TYPE furnace_pacing_decode_row_seconds gauge" in lines
+    assert "furnace_pacing" not in render_metrics(EngineStatistics(), {}, engine_up=True)
+    # before anything was measured, only the target
+    fresh = EngineStatistics(pacing=StepPacer(0.05).status())
+    text = render_metrics(fresh, {}, engine_up=True)
+    assert "furnace_pacing_target_seconds 0.05" in text
+    assert "furnace_pacing_prefill_token_seconds" not in text

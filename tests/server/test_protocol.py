@@ -267,8 +267,10 @@ def test_server_config_from_env() -> None:
             "FURNACE_KV_CACHE_DTYPE": "INT8",
             "FURNACE_MAX_SEQUENCES_PER_REQUEST": "32",
             "FURNACE_MAX_SCHEMA_NODES": "500",
+            "FURNACE_TARGET_ITL_MS": "42.5",
         }
     )
+    assert config.target_itl_ms == 42.5
     assert config.max_sequences_per_request == 32 and config.max_schema_nodes == 500
     assert config.quantization == "q4" and config.kv_cache_dtype == "int8"
     assert config.stream_interval == 4
@@ -277,6 +279,8 @@ def test_server_config_from_env() -> None:
     assert config.api_key == "secret" and config.log_level == "DEBUG"
     assert config.kv_cache_mb is None and config.max_waiting == 256
     assert ServerConfig.from_env({}) == ServerConfig()
+    assert ServerConfig().target_itl_ms is None  # no pacing unless asked for
+    assert ServerConfig.from_env({"FURNACE_TARGET_ITL_MS": "0"}).target_itl_ms is None
 
 
 @pytest.mark.parametrize(
@@ -296,6 +300,9 @@ def test_server_config_from_env() -> None:
         ("FURNACE_NATIVE_FLAGS", "-DX='unclosed"),
         ("FURNACE_MAX_SEQUENCES_PER_REQUEST", "0"),
         ("FURNACE_MAX_SCHEMA_NODES", "lots"),
+        ("FURNACE_TARGET_ITL_MS", "-3"),
+        ("FURNACE_TARGET_ITL_MS", "fast"),
+        ("FURNACE_TARGET_ITL_MS", "inf"),
     ],
 )
 def test_server_config_rejects_invalid_values(name: str, value: str) -> None:

@@ -1,4 +1,5 @@
-"""The engine's configuration: batch sizes, context, sessions, prefix cache, watchdog.
+"""The engine's configuration: batch sizes, context, sessions, prefix cache, watchdog,
+pacing.
 
 Frozen and validated at construction, so the engine and the HTTP layer read settings
 from one place and never check them again. A running engine takes a new one
@@ -48,6 +49,9 @@ class EngineConfig:
     # A request whose stream holds more than this unsent (estimated response bytes) pauses
     # until its client reads; see furnace_trio.engine.backlog.
     max_response_bytes: int = 1 << 20
+    # Prefill chunks sized so that a step with running decodes takes about this long (see
+    # furnace_trio.engine.pacing); None: the fixed max_step_tokens budget alone.
+    target_itl_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:
@@ -70,3 +74,5 @@ class EngineConfig:
             raise ValueError("stream_interval must be at least 1")
         if self.max_response_bytes < 1:
             raise ValueError("max_response_bytes must be at least 1")
+        if self.target_itl_ms is not None and not 0 < self.target_itl_ms < float("inf"):
+            raise ValueError("target_itl_ms must be a finite number > 0")

@@ -62,6 +62,7 @@ from furnace_trio.engine.events import FailureCause, GenerationRequest
 from furnace_trio.engine.isolation import StepAbandoned, isolate
 from furnace_trio.engine.kv_cache_manager import KVCacheManager
 from furnace_trio.engine.model_thread import ModelThread
+from furnace_trio.engine.pacing import StepPacer
 from furnace_trio.engine.scheduler import FinishReason, ScheduledStep, Scheduler, StepMismatch
 from furnace_trio.engine.session_turns import SessionTurns
 from furnace_trio.engine.sessions import Session, SessionReply, SessionStore, Turn
@@ -97,6 +98,7 @@ class Engine:
         decode_table: Sequence[bytes] | None = None,
         config: EngineConfig = _DEFAULT_CONFIG,
         model_thread: ModelThread | None = None,
+        pacer: StepPacer | None = None,
     ) -> None:
         self._runner = runner
         # Steps run on one thread for the engine's life (see model_thread.py); a backend
@@ -125,6 +127,9 @@ class Engine:
             self.sessions, self._kv, self._scheduler.pop_kept, self._text.decode
         )
         self._scheduler.reclaim = self._turns.reclaim
+        if pacer is None and config.target_itl_ms is not None:  # a test passes its own
+            pacer = StepPacer(config.target_itl_ms / 1000)
+        self._scheduler.pacer = self._pacer = pacer
         self._next_expiry = 0.0
         self._wake = trio.Event()
         self._state = _State.NEW
@@ -380,6 +385,7 @@ class Engine:
             steps_total=self._steps.total,
             step_rate=self._steps.rate(now),
             requests=requests,
+            pacing=None if self._pacer is None else self._pacer.status(),
         )
 
     def statistics(self) -> EngineStatistics:
@@ -402,6 +408,7 @@ class Engine:
             turns_open=len(self._turns),
             requests_paused=self._scheduler.num_paused,
             steps_total=self._steps.total,
+            pacing=None if self._pacer is None else self._pacer.status(),
         )
 
     # -- submission -----------------------------------------------------------------------
@@ -456,6 +463,8 @@ class Engine:
             self._outbox.admitted(step, trio.current_time())
             self._changed.unpark_all()
             started = trio.current_time()
+            if self._pacer is not None:
+                self._pacer.start()
             try:
                 step, sampled = await self._run(step)
             except StepAbandoned as exc:
@@ -475,6 +484,8 @@ class Engine:
             else:
                 self._metrics.decode_step_time.observe(now - started)
             self._outbox.deliver(outputs, now)
+            if self._pacer is not None:
+                self._pacer.finish(step.num_prefill_tokens, step.num_decode_tokens)
 
     async def _run(self, step: ScheduledStep) -> tuple[ScheduledStep, list[SampledToken]]:
         """Run ``step``; if it raises, find the requests that make it raise and fail only

@@ -10,7 +10,8 @@ Each :meth:`Scheduler.schedule` builds one :class:`~furnace_trio.core.plan.StepP
 
 1. every running sequence that is decoding gets its one next token (running streams never
    wait behind a prompt for more than one step),
-2. sequences still prefilling get their next prompt chunk, oldest first (chunked prefill),
+2. sequences still prefilling get their next prompt chunk, oldest first (chunked prefill;
+   with running decodes, ``pacer`` may cap the prefill to fit a step time, engine/pacing.py),
 3. waiting requests are admitted first come first served while there is budget, a free
    sequence slot (``max_running``) and enough unreserved KV blocks; the queue head is never
    overtaken, so a large request is not starved by small ones.
@@ -50,7 +51,6 @@ sequences that are gone.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -66,18 +66,14 @@ from furnace_trio.engine.kv_cache_manager import (
     RequestBlocks,
     SeqBlocks,
 )
-from furnace_trio.engine.sequence import Group, Seq, SeqStatus
+from furnace_trio.engine.pacing import StepPacer
+from furnace_trio.engine.sequence import FinishReason, Group, Seq, SeqStatus
 
 logger = logging.getLogger(__name__)
 
 
 class StepMismatch(ValueError):
     """The runner's tokens do not answer the plan's samples (a runner bug, not ours)."""
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"
-    LENGTH = "length"
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +140,7 @@ class Scheduler:
         #: Called with the number of blocks missing when the queue head does not fit; may
         #: free pinned blocks (sessions). Admission then tries once more.
         self.reclaim: Callable[[int], None] | None = None
+        self.pacer: StepPacer | None = None  # sizes prefill by step time (engine/pacing.py)
 
     # -- sizes ------------------------------------------------------------------------------
 
@@ -300,6 +297,9 @@ class Scheduler:
                     chunks.append(self._chunk(seq, len(seq.token_ids) - seq.num_computed_tokens))
                     num_decode += 1
         budget -= num_decode
+        if self.pacer is not None:
+            budget = self.pacer.prefill_budget(num_decode, budget)
+        granted = budget
         # 2. prompt chunks of running requests, oldest first
         for group in self.running.values():
             if budget <= 0:
@@ -340,7 +340,7 @@ class Scheduler:
             admitted=tuple(admitted),
             cached_tokens=tuple(cached),
             request_ids=tuple(request_ids),
-            num_prefill_tokens=self.max_step_tokens - budget - num_decode,
+            num_prefill_tokens=granted - budget,
             num_decode_tokens=num_decode,
         )
 

@@ -18,7 +18,12 @@ from furnace_trio.core.params import SamplingParams
 from furnace_trio.engine.block_pool import BlockKey
 from furnace_trio.engine.kv_cache_manager import SeqBlocks
 
-__all__ = ["Group", "Seq", "SeqStatus"]
+__all__ = ["FinishReason", "Group", "Seq", "SeqStatus"]
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
 
 
 class SeqStatus(enum.Enum):

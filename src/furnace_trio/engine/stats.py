@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from furnace_trio.engine.pacing import PacingStatus
+
 #: Latencies from a millisecond (a decode step on a GPU) to a minute (a long queue).
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5,
@@ -111,6 +113,7 @@ class EngineStatistics:
     #: Aborted while queued: the client left before admission (the log's 499s among them).
     requests_cancelled_before_admission_total: int = 0
     steps_total: int = 0  # model steps run (a failed step and its re-runs count once)
+    pacing: PacingStatus | None = None  # the prefill pacer's estimates, when it paces
 
     @property
     def idle(self) -> bool:
@@ -174,6 +177,7 @@ class EngineMetrics:
         turns_open: int = 0,
         requests_paused: int = 0,
         steps_total: int = 0,
+        pacing: PacingStatus | None = None,
     ) -> EngineStatistics:
         return EngineStatistics(
             running=running,
@@ -204,4 +208,5 @@ class EngineMetrics:
             pauses_total=self.pauses_total,
             requests_cancelled_before_admission_total=self.cancelled_before_admission,
             steps_total=steps_total,
+            pacing=pacing,
         )

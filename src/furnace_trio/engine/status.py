@@ -14,6 +14,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass
 
+from furnace_trio.engine.pacing import PacingStatus
 from furnace_trio.engine.sequence import Group, SeqStatus
 
 __all__ = ["EngineStatus", "RequestPhase", "RequestStatus", "StepRate"]
@@ -61,6 +62,7 @@ class EngineStatus:
     prefix-cache KV and are reused or evicted on demand); ``kv_blocks_reserved`` more are
     set aside for admitted requests to grow into and ``kv_blocks_pinned`` are held by
     sessions. ``step_rate`` is model steps per second over the last few seconds.
+    ``pacing`` is what the prefill pacer learned (``None`` without a target ITL).
     """
 
     state: str
@@ -77,6 +79,7 @@ class EngineStatus:
     steps_total: int
     step_rate: float
     requests: tuple[RequestStatus, ...]
+    pacing: PacingStatus | None = None
 
 
 def request_status(

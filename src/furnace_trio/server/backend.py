@@ -97,6 +97,7 @@ def engine_config(config: ServerConfig, device_type: str) -> EngineConfig:
         step_timeout_s=config.step_timeout_s,
         stream_interval=config.stream_interval,
         max_response_bytes=config.max_response_bytes,
+        target_itl_ms=config.target_itl_ms,
     )
 
 

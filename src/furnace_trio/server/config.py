@@ -264,6 +264,19 @@ class ServerConfig:
             "strings are then seen up to this many tokens late (computed, not sent).",
         ),
     )
+    target_itl_ms: float | None = field(
+        default=None,
+        metadata=setting(
+            "FURNACE_TARGET_ITL_MS",
+            "Pace prefill by measured time: while streams decode, a long prompt's chunks are "
+            "sized so that a step takes about this many milliseconds, from step costs learned "
+            "online (`/status` `engine.pacing`, `furnace_pacing_*` gauges); a prompt with no "
+            "decodes running gets the whole `FURNACE_MAX_STEP_TOKENS`, which stays the cap. "
+            "Unset or `0`: the token budget alone decides. Trades long prompts' time to first "
+            "token for the running streams' inter-token latency "
+            "([operations](operations.md#prefill-pacing)).",
+        ),
+    )
     cuda_graphs: bool = field(
         default=True,
         metadata=setting(

@@ -93,6 +93,9 @@ def environment_values(environ: Mapping[str, str], defaults: ServerConfig) -> di
         prefix_cache=flag(environ, "FURNACE_PREFIX_CACHE", defaults.prefix_cache),
         step_timeout_s=positive_float(environ, "FURNACE_STEP_TIMEOUT_S", defaults.step_timeout_s),
         stream_interval=stream_interval or defaults.stream_interval,
+        # unset or 0: no pacing
+        target_itl_ms=positive_float(environ, "FURNACE_TARGET_ITL_MS", 0.0, allow_zero=True)
+        or None,
         cuda_graphs=flag(environ, "FURNACE_CUDA_GRAPHS", defaults.cuda_graphs),
         drain_timeout_s=positive_float(
             environ, "FURNACE_DRAIN_TIMEOUT_S", defaults.drain_timeout_s, allow_zero=True
@@ -149,6 +152,8 @@ def check_values(config: ServerConfig) -> None:
         raise ConfigError("session_ttl_s must be > 0")
     if not config.step_timeout_s > 0:
         raise ConfigError("step_timeout_s must be > 0")
+    if config.target_itl_ms is not None and not 0 < config.target_itl_ms < float("inf"):
+        raise ConfigError("target_itl_ms must be a finite number > 0")
     if not config.drain_timeout_s >= 0:
         raise ConfigError("drain_timeout_s must be >= 0")
     if config.max_sessions < 1:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from furnace_trio.engine.pacing import PacingStatus
 from furnace_trio.engine.stats import EngineStatistics, HistogramSnapshot
 
 _HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
@@ -48,6 +49,41 @@ def _metric(lines: list[str], name: str, kind: str, help_text: str, value: float
     lines.append(f"# HELP {name} {help_text}")
     lines.append(f"# TYPE {name} {kind}")
     lines.append(f"{name} {_number(value)}")
+
+
+def _pacing(lines: list[str], pacing: PacingStatus) -> None:
+    """Gauges of the prefill pacer (``FURNACE_TARGET_ITL_MS``); unmeasured ones are left out."""
+    _metric(
+        lines,
+        "furnace_pacing_target_seconds",
+        "gauge",
+        "Step time that prefill chunks are sized for while streams decode.",
+        pacing.target_s,
+    )
+    for name, help_text, value in (
+        (
+            "furnace_pacing_prefill_token_seconds",
+            "Learned step time per prefill token.",
+            pacing.prefill_token_s,
+        ),
+        (
+            "furnace_pacing_decode_step_base_seconds",
+            "Learned step time of decodes, fixed part.",
+            pacing.decode_base_s,
+        ),
+        (
+            "furnace_pacing_decode_row_seconds",
+            "Learned step time per decode row.",
+            pacing.decode_row_s,
+        ),
+        (
+            "furnace_pacing_chunk_tokens",
+            "Prefill token budget of the last step.",
+            pacing.chunk_tokens,
+        ),
+    ):
+        if value is not None:
+            _metric(lines, name, "gauge", help_text, value)
 
 
 def render_metrics(
@@ -139,6 +175,8 @@ def render_metrics(
             "KV blocks pinned by sessions.",
             stats.session_pinned_blocks,
         )
+        if stats.pacing is not None:
+            _pacing(lines, stats.pacing)
         for attribute, name, help_text in _HISTOGRAMS:
             _histogram(lines, name, help_text, getattr(stats, attribute))
     lines.append("# HELP furnace_http_responses_total HTTP responses by status code.")

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from furnace_trio.engine import EngineStatus, RequestPhase, RequestStatus
+from furnace_trio.engine.pacing import PacingStatus
 
 
 def _request(request: RequestStatus, key_name: str | None) -> dict[str, Any]:
@@ -29,6 +30,24 @@ def _request(request: RequestStatus, key_name: str | None) -> dict[str, Any]:
         "age_s": round(request.age_s, 3),
         "session_id": request.session_id,
         "api_key_name": key_name,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 4)
+
+
+def _pacing(pacing: PacingStatus | None) -> dict[str, Any] | None:
+    if pacing is None:
+        return None
+    return {
+        "target_itl_ms": _ms(pacing.target_s),
+        "prefill_ms_per_token": _ms(pacing.prefill_token_s),
+        "decode_step_base_ms": _ms(pacing.decode_base_s),
+        "decode_ms_per_row": _ms(pacing.decode_row_s),
+        "chunk_tokens": pacing.chunk_tokens,
+        "steps_measured": pacing.steps_measured,
+        "measurements_ignored": pacing.measurements_ignored,
     }
 
 
@@ -64,6 +83,7 @@ def status_body(
                 "pinned": status.kv_blocks_pinned,
                 "cached": status.kv_blocks_cached,
             },
+            "pacing": _pacing(status.pacing),
         },
         "requests": [
             _request(request, names.get(request.request_id)) for request in status.requests
@@ -105,6 +125,16 @@ _REQUEST_FIELDS: dict[str, Any] = {
         "description": "The name of the API key it is served under (null: no keys).",
     },
 }
+_MS = {"type": ["number", "null"], "minimum": 0}
+_PACING_FIELDS: dict[str, Any] = {
+    "target_itl_ms": {"type": "number", "exclusiveMinimum": 0},
+    "prefill_ms_per_token": _MS,
+    "decode_step_base_ms": _MS,
+    "decode_ms_per_row": _MS,
+    "chunk_tokens": {"type": ["integer", "null"], "minimum": 0},
+    "steps_measured": _COUNT,
+    "measurements_ignored": _COUNT,
+}
 _ENGINE_FIELDS: dict[str, Any] = {
     "state": {"enum": ["new", "running", "shutting down", "draining", "stopped", "dead"]},
     "alive": {"type": "boolean"},
@@ -114,6 +144,20 @@ _ENGINE_FIELDS: dict[str, Any] = {
     "steps_total": _COUNT,
     "step_rate": {"type": "number", "minimum": 0, "description": "Steps per second, lately."},
     "kv_blocks": _counts("total", "used", "free", "reserved", "pinned", "cached"),
+    "pacing": {
+        "description": "Prefill paced by measured step time (FURNACE_TARGET_ITL_MS; null "
+        "when unset): the learned costs (null until measured) and the prefill budget of the "
+        "last step (chunk_tokens; the whole step budget for a lone prompt).",
+        "oneOf": [
+            {"type": "null"},
+            {
+                "type": "object",
+                "required": list(_PACING_FIELDS),
+                "properties": _PACING_FIELDS,
+                "additionalProperties": False,
+            },
+        ],
+    },
 }
 
 #: The JSON Schema of the ``/status`` body.
