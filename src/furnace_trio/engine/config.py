@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from furnace_trio.engine.speculation import SpeculationConfig
+
+_NO_SPECULATION = SpeculationConfig()  # frozen, so one default is safe to share
+
 __all__ = ["EngineConfig"]
 
 
@@ -31,6 +35,8 @@ class EngineConfig:
     # A request whose stream holds more than this unsent (estimated response bytes) pauses
     # until its client reads; see furnace_trio.engine.backlog.
     max_response_bytes: int = 1 << 20
+    # Speculative decoding (furnace_trio.engine.speculation); method "off" by default.
+    speculation: SpeculationConfig = _NO_SPECULATION
 
     def __post_init__(self) -> None:
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:

@@ -113,6 +113,7 @@ class Engine:
             max_step_tokens=config.max_step_tokens,
             max_context=self.max_context,
             eos_token_ids=eos_token_ids,
+            speculation=config.speculation,
         )
         max_blocks = config.session_max_blocks
         self.sessions = SessionStore(

@@ -67,6 +67,7 @@ from furnace_trio.engine.kv_cache_manager import (
     SeqBlocks,
 )
 from furnace_trio.engine.sequence import Group, Seq, SeqStatus
+from furnace_trio.engine.speculation import SpeculationConfig, Speculator, answers, until_end
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class ScheduledStep:
     request_ids: tuple[str, ...]  # every request with a chunk in the plan
     num_prefill_tokens: int
     num_decode_tokens: int
+    num_draft_tokens: int = 0  # speculative drafts among the chunks (not in the two above)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +109,9 @@ class SampleOutput:
     #: The prompt's scores (``prompt_logprobs``), with each sample's first token, even
     #: one that is not output.
     prompt_logprobs: tuple[SampledToken, ...] | None = None
+    #: Speculation, on the first output of a drafted chunk: drafts run, drafts accepted.
+    drafted: int = 0
+    accepted: int = 0
 
 
 class Scheduler:
@@ -120,6 +125,7 @@ class Scheduler:
         max_step_tokens: int,
         max_context: int,
         eos_token_ids: Iterable[int],
+        speculation: SpeculationConfig | None = None,
     ) -> None:
         if max_running < 1:
             raise ValueError("max_running must be at least 1")
@@ -132,6 +138,9 @@ class Scheduler:
         self.max_step_tokens = max_step_tokens
         self.max_context = max_context
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.speculator: Speculator | None = None
+        if speculation is not None and speculation.enabled:
+            self.speculator = Speculator(speculation)
         self.waiting: deque[Group] = deque()
         self.running: dict[str, Group] = {}  # insertion order == admission order
         self._waiting_ids: dict[str, Group] = {}
@@ -287,19 +296,24 @@ class Scheduler:
         budget = self.max_step_tokens
         chunks: list[ChunkPlan] = []
         request_ids: list[str] = []
-        num_decode = 0
-        # 1. one token for every decoding sequence
+        # 1. one token for every decoding sequence, and its drafts (speculation)
+        decoding: list[Seq] = []
         for group in self.running.values():
             if group.paused:
                 continue
             if group.prefill is not None and group.prefill.num_computed_tokens < len(group.prompt):
                 continue
             request_ids.append(group.request_id)
-            for seq in group.samples:
-                if seq.status is SeqStatus.RUNNING:
-                    chunks.append(self._chunk(seq, len(seq.token_ids) - seq.num_computed_tokens))
-                    num_decode += 1
+            decoding.extend(seq for seq in group.samples if seq.status is SeqStatus.RUNNING)
+        num_decode = len(decoding)
         budget -= num_decode
+        drafts = self.speculator.propose_all(decoding, budget) if self.speculator else {}
+        num_drafts = 0
+        for seq in decoding:
+            proposed = drafts.get(seq.seq_id, ())
+            chunks.append(self._chunk(seq, len(seq.token_ids) - seq.num_computed_tokens, proposed))
+            num_drafts += len(proposed)
+        budget -= num_drafts
         # 2. prompt chunks of running requests, oldest first
         for group in self.running.values():
             if budget <= 0:
@@ -335,8 +349,9 @@ class Scheduler:
             admitted=tuple(admitted),
             cached_tokens=tuple(cached),
             request_ids=tuple(request_ids),
-            num_prefill_tokens=self.max_step_tokens - budget - num_decode,
+            num_prefill_tokens=self.max_step_tokens - budget - num_decode - num_drafts,
             num_decode_tokens=num_decode,
+            num_draft_tokens=num_drafts,
         )
 
     # -- results ----------------------------------------------------------------------------
@@ -347,31 +362,32 @@ class Scheduler:
         Raises :class:`StepMismatch` (changing nothing) when ``sampled`` does not answer the plan's
         samples exactly; the caller then fails the plan's requests like a raising step.
         """
-        by_seq = {token.seq_id: token for token in sampled}
-        expected = [spec.seq_id for chunk in step.plan.chunks for spec in chunk.samples]
-        if len(by_seq) != len(sampled) or by_seq.keys() != set(expected):
-            raise StepMismatch(
-                f"the runner returned {len(sampled)} tokens for {len(expected)} samples"
-            )
+        try:
+            by_seq = answers(step.plan, sampled)
+        except ValueError as exc:
+            raise StepMismatch(str(exc)) from None
         outputs: list[SampleOutput] = []
         for chunk in step.plan.chunks:
             seq = self._seqs.get(chunk.seq_id)
             if seq is None:
                 continue  # aborted while the step ran
+            if chunk.num_drafts:
+                outputs.extend(self._verified(seq, chunk, by_seq[seq.seq_id]))
+                continue
             seq.num_computed_tokens = num_computed = chunk.start_pos + len(chunk.token_ids)
             self.kv.cache_blocks(seq.kv, seq.token_ids, num_computed)
             if not chunk.samples:
                 continue
             group = seq.group
             if seq.index is not None:
-                outputs.append(self._append(seq, by_seq[seq.seq_id]))
+                outputs.append(self._append(seq, by_seq[seq.seq_id][0]))
                 continue
             # the parent of n > 1: each child that goes on forks the prompt's blocks
             for spec in chunk.samples:
                 child = self._seqs.get(spec.seq_id)
                 if child is None:
                     continue
-                output = self._append(child, by_seq[child.seq_id])
+                output = self._append(child, by_seq[child.seq_id][0])
                 outputs.append(output)
                 if output.finish is None:
                     self._fork(seq, child)
@@ -459,10 +475,10 @@ class Scheduler:
             self._seqs[seq.seq_id] = seq
         return True
 
-    def _chunk(self, seq: Seq, num_tokens: int) -> ChunkPlan:
+    def _chunk(self, seq: Seq, num_tokens: int, drafts: tuple[int, ...] = ()) -> ChunkPlan:
         start = seq.num_computed_tokens
         end = start + num_tokens
-        if self.kv.allocate_slots(seq.kv, end) is None:
+        if self.kv.allocate_slots(seq.kv, end + len(drafts)) is None:
             raise RuntimeError(f"seq {seq.seq_id} outgrew its KV reservation (a scheduler bug)")
         group = seq.group
         samples: tuple[SampleSpec, ...] = ()
@@ -482,12 +498,13 @@ class Scheduler:
         prompt = group.prompt
         return ChunkPlan(
             seq_id=seq.seq_id,
-            token_ids=tuple(seq.token_ids[start:end]),
+            token_ids=tuple(seq.token_ids[start:end]) + drafts,
             start_pos=start,
             block_table=tuple(seq.kv.block_table),
             samples=samples,
             score_ids=() if top is None else prompt[start + 1 : min(end + 1, len(prompt))],
             score_top=top or 0,
+            num_drafts=len(drafts),
         )
 
     def _fork(self, parent: Seq, child: Seq) -> None:
@@ -495,6 +512,25 @@ class Scheduler:
         if not self.kv.fork(parent.kv, child.kv, prompt_len):
             raise RuntimeError(f"seq {child.seq_id} could not fork its parent (a scheduler bug)")
         child.num_computed_tokens = prompt_len
+
+    def _verified(
+        self, seq: Seq, chunk: ChunkPlan, tokens: Sequence[SampledToken]
+    ) -> list[SampleOutput]:
+        """Apply a drafted chunk's verified ``tokens``: the KV of the last token and of the
+        accepted drafts stays computed, the rejected drafts' blocks go back to the
+        reservation, and the tokens are appended up to the first that ends the sample."""
+        kept = until_end(tokens, seq.params, self.eos_token_ids, seq.num_output_tokens)
+        computed = chunk.start_pos + len(chunk.token_ids) - chunk.num_drafts - 1 + len(kept)
+        seq.num_computed_tokens = computed
+        self.kv.truncate(seq.kv, computed)
+        fed = [*seq.token_ids, *(token.token_id for token in kept[:-1])]
+        self.kv.cache_blocks(seq.kv, fed, computed)
+        accepted = min(len(tokens) - 1, len(kept))
+        if self.speculator is not None:
+            self.speculator.record(seq, chunk.num_drafts, accepted)
+        outputs = [self._append(seq, token) for token in kept]
+        outputs[0] = dataclasses.replace(outputs[0], drafted=chunk.num_drafts, accepted=accepted)
+        return outputs
 
     def _append(self, seq: Seq, token: SampledToken) -> SampleOutput:
         params = seq.params

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.engine.block_pool import BlockKey
 from furnace_trio.engine.kv_cache_manager import SeqBlocks
+from furnace_trio.engine.speculation import DraftState
 
 __all__ = ["Group", "Seq", "SeqStatus"]
 
@@ -45,6 +46,7 @@ class Seq:
     kv: SeqBlocks
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
+    draft: DraftState | None = None  # speculative decoding's state, once it drafted
 
     @property
     def num_output_tokens(self) -> int:
