@@ -26,6 +26,8 @@ KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "model", "float16", "int8")
 LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: ``FURNACE_LOG_FORMAT``: lines for a person, or one JSON object a line for a collector.
 LOG_FORMATS: tuple[str, ...] = ("text", "json")
+#: Speculative decoding (``FURNACE_SPECULATIVE``), as furnace_trio.engine.speculation.METHODS.
+SPECULATIVE_METHODS: tuple[str, ...] = ("off", "ngram")
 #: Tool-call output formats (``auto``: from the model's chat template, see docs/tools.md).
 TOOL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3", "mistral")
 
@@ -84,6 +86,11 @@ class ServerConfig:
     prefix_cache: bool = True
     step_timeout_s: float = 120.0
     stream_interval: int = 1
+    # Speculative decoding (docs/speculative.md): "off" or "ngram" (prompt lookup), the most
+    # drafts per sequence and step, and the most decoding sequences that still draft.
+    speculative: str = "off"
+    speculative_tokens: int = 8
+    speculative_max_batch: int = 4
     # All-decode steps on a GPU replayed from CUDA graphs (see furnace_trio.runtime.cuda_graphs).
     cuda_graphs: bool = True
     drain_timeout_s: float = 30.0
@@ -113,6 +120,11 @@ class ServerConfig:
                 f"KV cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                 f"got {self.kv_cache_dtype!r}"
             )
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {self.speculative!r}"
+            )
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(
                 f"log level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
@@ -126,6 +138,8 @@ class ServerConfig:
             "max_body_bytes",
             "max_response_bytes",
             "stream_interval",
+            "speculative_tokens",
+            "speculative_max_batch",
             "max_sequences_per_request",
             "max_schema_nodes",
         ):
@@ -226,6 +240,10 @@ class ServerConfig:
                 environ, "FURNACE_STEP_TIMEOUT_S", defaults.step_timeout_s
             ),
             stream_interval=stream_interval or defaults.stream_interval,
+            speculative=_speculative(environ) or defaults.speculative,
+            speculative_tokens=integer("FURNACE_SPECULATIVE_TOKENS") or defaults.speculative_tokens,
+            speculative_max_batch=integer("FURNACE_SPECULATIVE_MAX_BATCH")
+            or defaults.speculative_max_batch,
             cuda_graphs=_flag(environ, "FURNACE_CUDA_GRAPHS", defaults.cuda_graphs),
             drain_timeout_s=_positive_float(
                 environ, "FURNACE_DRAIN_TIMEOUT_S", defaults.drain_timeout_s, allow_zero=True
@@ -281,6 +299,20 @@ def _names(environ: Mapping[str, str], name: str, *, origins: bool) -> tuple[str
         if value:
             out.append(value)
     return tuple(out)
+
+
+def _speculative(environ: Mapping[str, str]) -> str | None:
+    """``FURNACE_SPECULATIVE``: a method of :data:`SPECULATIVE_METHODS`, or unset."""
+    value = environ.get("FURNACE_SPECULATIVE", "").strip().lower()
+    if not value:
+        return None
+    if value not in SPECULATIVE_METHODS:
+        hint = " (draft models are not supported)" if value.startswith("draft:") else ""
+        raise ConfigError(
+            f"FURNACE_SPECULATIVE must be one of {', '.join(SPECULATIVE_METHODS)}, "
+            f"got {value!r}{hint}"
+        )
+    return value
 
 
 def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
