@@ -17,12 +17,11 @@ Each :meth:`Scheduler.schedule` builds one :class:`~furnace_trio.core.plan.StepP
 
 Memory: admission asks the :class:`~furnace_trio.engine.kv_cache_manager.KVCacheManager`
 for the request's worst case of KV blocks (reservation, no preemption: a sequence, once
-admitted, can always finish; no recomputation, no swapping, and a request's latency never
-jumps because another one arrived). The cost is admitting fewer requests than lazy
-allocation would when most stop early; with a prefix cache (whose evictable blocks count as
-free) and the usual short ``max_tokens`` that is the right trade for a small server. The
-manager keeps the block tables, the prefix-cache matches, the forks and the pins; the
-scheduler only decides what runs.
+admitted, can always finish). The manager keeps the block tables, the prefix-cache
+matches, the forks and the pins; the scheduler only decides what runs.
+
+Speculative decoding (:mod:`~furnace_trio.engine.speculation`): a decoding sequence's
+chunk may carry drafts after its last token; the speculator settles what was accepted.
 
 ``n > 1``: a *parent* sequence runs the prompt once; its last chunk samples ``n`` children
 (their own seq ids, ``seed + index`` when seeded so that they differ). Each child that goes
@@ -50,11 +49,9 @@ sequences that are gone.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import ChunkPlan, SampledToken, SampleSpec, StepPlan
@@ -64,54 +61,14 @@ from furnace_trio.engine.kv_cache_manager import (
     KeptKV,
     KVCacheManager,
     RequestBlocks,
-    SeqBlocks,
 )
-from furnace_trio.engine.sequence import Group, Seq, SeqStatus
-from furnace_trio.engine.speculation import SpeculationConfig, Speculator, answers, until_end
+from furnace_trio.engine.sequence import Group, Seq, SeqStatus, new_group
+from furnace_trio.engine.speculation import SpeculationConfig, Speculator, answers
+from furnace_trio.engine.step_outputs import FinishReason, SampleOutput, ScheduledStep, StepMismatch
+
+__all__ = ["FinishReason", "SampleOutput", "ScheduledStep", "Scheduler", "StepMismatch"]
 
 logger = logging.getLogger(__name__)
-
-
-class StepMismatch(ValueError):
-    """The runner's tokens do not answer the plan's samples (a runner bug, not ours)."""
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"
-    LENGTH = "length"
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledStep:
-    """A plan plus what the engine needs to know about it."""
-
-    plan: StepPlan
-    admitted: tuple[str, ...]  # requests whose prefill starts in this step
-    cached_tokens: tuple[int, ...]  # per admitted request: prompt tokens from the cache
-    request_ids: tuple[str, ...]  # every request with a chunk in the plan
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_draft_tokens: int = 0  # speculative drafts among the chunks (not in the two above)
-
-
-@dataclass(frozen=True, slots=True)
-class SampleOutput:
-    """A sampled token of sample ``index`` of a request, and whether that sample finished.
-
-    ``token`` is ``None`` when the sampled token ends the sample without being part of the
-    output (an EOS or a ``stop_token_ids`` token).
-    """
-
-    request_id: str
-    index: int
-    token: SampledToken | None
-    finish: FinishReason | None
-    #: The prompt's scores (``prompt_logprobs``), with each sample's first token, even
-    #: one that is not output.
-    prompt_logprobs: tuple[SampledToken, ...] | None = None
-    #: Speculation, on the first output of a drafted chunk: drafts run, drafts accepted.
-    drafted: int = 0
-    accepted: int = 0
 
 
 class Scheduler:
@@ -211,26 +168,11 @@ class Scheduler:
         if keep_kv and params.n != 1:
             raise ValueError("keep_kv needs n == 1")
         prompt = tuple(prompt)
-        group = Group(
-            request_id=request_id,
-            prompt=prompt,
-            params=params,
-            blocks_needed=self.blocks_needed(len(prompt), params),
-            prompt_keys=self.kv.prompt_keys(prompt),
-            keep_kv=keep_kv,
-        )
-        if params.n == 1:
-            seq = self._new_seq(group, 0, params)
-            group.prefill = seq
-            group.samples = [seq]
-        else:
-            group.prefill = self._new_seq(group, None, params)
-            for i in range(params.n):
-                child_params = params
-                if params.seed is not None:
-                    child_params = dataclasses.replace(params, seed=params.seed + i)
-                group.samples.append(self._new_seq(group, i, child_params))
-        group.num_live = params.n
+        blocks_needed = self.blocks_needed(len(prompt), params)
+        keys = self.kv.prompt_keys(prompt)
+        group = new_group(request_id, prompt, params, blocks_needed, keys, self._next_seq_id)
+        group.keep_kv = keep_kv
+        self._next_seq_id += params.n + (params.n > 1)
         self.waiting.append(group)
         self._waiting_ids[request_id] = group
         self._num_waiting_samples += params.n
@@ -425,18 +367,6 @@ class Scheduler:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _new_seq(self, group: Group, index: int | None, params: SamplingParams) -> Seq:
-        seq = Seq(
-            seq_id=self._next_seq_id,
-            group=group,
-            index=index,
-            params=params,
-            token_ids=list(group.prompt),
-            kv=SeqBlocks(group.prompt_keys),  # no blocks until admitted
-        )
-        self._next_seq_id += 1
-        return seq
-
     def _allocate(self, group: Group) -> tuple[RequestBlocks | None, ComputedBlocks]:
         computed = NO_COMPUTED_BLOCKS
         if group.params.prompt_logprobs is None:  # a scored prompt is computed whole
@@ -519,15 +449,8 @@ class Scheduler:
         """Apply a drafted chunk's verified ``tokens``: the KV of the last token and of the
         accepted drafts stays computed, the rejected drafts' blocks go back to the
         reservation, and the tokens are appended up to the first that ends the sample."""
-        kept = until_end(tokens, seq.params, self.eos_token_ids, seq.num_output_tokens)
-        computed = chunk.start_pos + len(chunk.token_ids) - chunk.num_drafts - 1 + len(kept)
-        seq.num_computed_tokens = computed
-        self.kv.truncate(seq.kv, computed)
-        fed = [*seq.token_ids, *(token.token_id for token in kept[:-1])]
-        self.kv.cache_blocks(seq.kv, fed, computed)
-        accepted = min(len(tokens) - 1, len(kept))
-        if self.speculator is not None:
-            self.speculator.record(seq, chunk.num_drafts, accepted)
+        assert self.speculator is not None  # only its chunks have drafts
+        kept, accepted = self.speculator.settle(seq, chunk, tokens, self.kv, self.eos_token_ids)
         outputs = [self._append(seq, token) for token in kept]
         outputs[0] = dataclasses.replace(outputs[0], drafted=chunk.num_drafts, accepted=accepted)
         return outputs

@@ -17,8 +17,9 @@ everything before them (prompt and output), and the tokens that followed their l
 occurrence are proposed. An index of every n-gram's latest position grows by the new
 tokens only, so a lookup costs a few dict probes, not a scan of the context.
 
-Per sequence, the draft length adapts: it grows while every draft is accepted and
-shrinks to what was accepted otherwise; a step that accepts nothing makes the sequence
+Per sequence, the draft length adapts: it starts short (a wrong guess costs a row of
+compute per draft), doubles while every draft is accepted and shrinks to what was
+accepted otherwise; a step that accepts nothing makes the sequence
 sit out a number of steps that doubles with each miss in a row (text that repeats nothing
 stops paying for drafts). Under load, with more than :attr:`SpeculationConfig.max_batch`
 sequences decoding, no sequence drafts: the step is then compute-bound and draft positions
@@ -44,7 +45,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from furnace_trio.core.params import SamplingParams
-from furnace_trio.core.plan import SampledToken, StepPlan
+from furnace_trio.core.plan import ChunkPlan, SampledToken, StepPlan
+from furnace_trio.engine.kv_cache_manager import KVCacheManager
 
 if TYPE_CHECKING:
     from furnace_trio.engine.sequence import Seq
@@ -63,7 +65,8 @@ class SpeculationConfig:
     """How the engine speculates; ``method`` ``off`` turns it off."""
 
     method: str = "off"
-    max_drafts: int = 8  # drafts per sequence and step, at most
+    max_drafts: int = 16  # drafts per sequence and step, at most
+    first_drafts: int = 4  # a sequence's first draft length (it doubles while all hold)
     max_batch: int = 4  # no drafts while more sequences than this decode
     ngram_max: int = 4
     ngram_min: int = 2
@@ -73,6 +76,8 @@ class SpeculationConfig:
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}")
         if self.max_drafts < 1:
             raise ValueError("max_drafts must be at least 1")
+        if self.first_drafts < 1:
+            raise ValueError("first_drafts must be at least 1")
         if self.max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -128,7 +133,7 @@ class Speculator:
         """Up to ``limit`` drafts for ``seq`` (none while it sits out)."""
         state = seq.draft
         if state is None:
-            state = seq.draft = DraftState(length=self.config.max_drafts)
+            state = seq.draft = DraftState(min(self.config.first_drafts, self.config.max_drafts))
         if state.sit_out:
             state.sit_out -= 1
             return ()
@@ -150,6 +155,29 @@ class Speculator:
                 return tuple(tokens[at : at + limit])
         return ()
 
+    def settle(
+        self,
+        seq: Seq,
+        chunk: ChunkPlan,
+        tokens: Sequence[SampledToken],
+        kv: KVCacheManager,
+        ends: frozenset[int],
+    ) -> tuple[Sequence[SampledToken], int]:
+        """After a drafted ``chunk`` of ``seq`` ran: the verified ``tokens`` up to the first
+        that ends the sample (what the caller appends), and how many drafts that accepted.
+
+        The KV of the last token and of the kept drafts stays computed (and full blocks of
+        it are keyed for the prefix cache); the blocks past it go back to the sequence's
+        reservation, before anything could pin or share them."""
+        kept = until_end(tokens, seq.params, ends, seq.num_output_tokens)
+        computed = chunk.start_pos + len(chunk.token_ids) - chunk.num_drafts - 1 + len(kept)
+        seq.num_computed_tokens = computed
+        kv.truncate(seq.kv, computed)
+        kv.cache_blocks(seq.kv, [*seq.token_ids, *(t.token_id for t in kept[:-1])], computed)
+        accepted = min(len(tokens) - 1, len(kept))
+        self.record(seq, chunk.num_drafts, accepted)
+        return kept, accepted
+
     def record(self, seq: Seq, drafted: int, accepted: int) -> None:
         """``accepted`` of the ``drafted`` drafts of ``seq`` held."""
         state = seq.draft
@@ -159,7 +187,7 @@ class Speculator:
         state.accepted += accepted
         most = self.config.max_drafts
         if accepted == drafted:
-            state.length = min(most, state.length + 2)
+            state.length = min(most, 2 * state.length)
             state.misses = 0
         elif accepted:
             state.length = max(1, accepted + 1)

@@ -89,7 +89,7 @@ class ServerConfig:
     # Speculative decoding (docs/speculative.md): "off" or "ngram" (prompt lookup), the most
     # drafts per sequence and step, and the most decoding sequences that still draft.
     speculative: str = "off"
-    speculative_tokens: int = 8
+    speculative_tokens: int = 16
     speculative_max_batch: int = 4
     # All-decode steps on a GPU replayed from CUDA graphs (see furnace_trio.runtime.cuda_graphs).
     cuda_graphs: bool = True
