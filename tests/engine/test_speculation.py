@@ -8,7 +8,8 @@ import trio
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import SampledToken
 from furnace_trio.engine import EngineConfig, GenerationRequest
-from furnace_trio.engine.speculation import SpeculationConfig
+from furnace_trio.engine.sequence import Seq, new_group
+from furnace_trio.engine.speculation import SpeculationConfig, Speculator
 
 from ..scripted import EOS, ScriptedRunner, encode
 from .harness import Outcome, collect, collect_all, request, serving
@@ -229,3 +230,51 @@ def test_answers_reject_tokens_that_were_not_drafted() -> None:
         except ValueError:
             continue
         raise AssertionError(f"accepted {bad}")
+
+
+def _seq(tokens: tuple[int, ...], prompt_len: int, **params: object) -> Seq:
+    group = new_group("r", tokens[:prompt_len], SamplingParams(**params), 1, (), 0)  # type: ignore[arg-type]
+    seq = group.samples[0]
+    seq.token_ids = list(tokens)
+    return seq
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
+    speculator = Speculator(SpeculationConfig(method="ngram", first_drafts=3))
+    seq = _seq((1, 2, 3, 4, 5, 9, 2, 3, 6, 7, 0, 2, 3), 10, max_tokens=100)
+    # "2 3" last followed by "6 7 0" (the latest occurrence wins)
+    assert speculator.propose(seq, 10) == (6, 7, 0)
+    assert speculator.propose(seq, 2) == (6, 7)
+    seq.token_ids.append(42)  # nothing before ends in "3 42"
+    assert speculator.propose(seq, 10) == ()
+
+
+def test_draft_length_doubles_shrinks_and_sits_out() -> None:
+    speculator = Speculator(SpeculationConfig(method="ngram", max_drafts=8, first_drafts=2))
+    seq = _seq((*range(1, 40), 1, 2), 39, max_tokens=100)
+    assert len(speculator.propose(seq, 99)) == 2
+    speculator.record(seq, 2, 2)
+    assert len(speculator.propose(seq, 99)) == 4
+    speculator.record(seq, 4, 4)
+    speculator.record(seq, 8, 8)
+    assert len(speculator.propose(seq, 99)) == 8  # capped
+    speculator.record(seq, 8, 3)
+    assert len(speculator.propose(seq, 99)) == 4  # what held, plus one
+    speculator.record(seq, 4, 0)
+    assert speculator.propose(seq, 99) == ()  # sits out one step
+    assert len(speculator.propose(seq, 99)) == 2
+    speculator.record(seq, 2, 0)
+    assert speculator.propose(seq, 99) == speculator.propose(seq, 99) == ()  # then two
+
+
+def test_a_step_holds_at_most_max_drafts_and_none_under_load() -> None:
+    config = SpeculationConfig(method="ngram", max_drafts=6, first_drafts=4, max_batch=2)
+    seqs = [_seq((*range(1, 40), 1, 2), 39, max_tokens=100) for _ in range(3)]
+    for i, seq in enumerate(seqs):
+        seq.seq_id = i
+    drafts = Speculator(config).propose_all(seqs[:2], 100)
+    assert sum(map(len, drafts.values())) == 6
+    assert Speculator(config).propose_all(seqs, 100) == {}
+    # never past max_tokens: 5 outputs of 8 leave room for 2 drafts and the last token
+    seq = _seq((*range(1, 40), 1, 2, 3, 4, 5), 39, max_tokens=7)
+    assert len(Speculator(config).propose(seq, 7 - seq.num_output_tokens - 1)) == 1

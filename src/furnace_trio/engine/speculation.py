@@ -23,7 +23,7 @@ accepted otherwise; a step that accepts nothing makes the sequence
 sit out a number of steps that doubles with each miss in a row (text that repeats nothing
 stops paying for drafts). Under load, with more than :attr:`SpeculationConfig.max_batch`
 sequences decoding, no sequence drafts: the step is then compute-bound and draft positions
-would slow everyone.
+would slow everyone; with fewer, a step holds at most ``max_drafts`` drafts in all.
 
 Which sequences speculate: greedy ones and unseeded sampled ones without a grammar. A
 seeded sampled request draws one noise row per token from its own generator, so it stays
@@ -113,9 +113,12 @@ class Speculator:
         self.config = config
 
     def propose_all(self, seqs: Sequence[Seq], budget: int) -> dict[int, tuple[int, ...]]:
-        """Drafts by seq id for this step's decoding ``seqs``, ``budget`` tokens in all."""
+        """Drafts by seq id for this step's decoding ``seqs``, ``budget`` tokens in all and
+        never more than ``max_drafts``: each draft is a row of compute, so a step holds as
+        many as one sequence may draft, however many sequences share it."""
         if len(seqs) > self.config.max_batch:
             return {}
+        budget = min(budget, self.config.max_drafts)
         out: dict[int, tuple[int, ...]] = {}
         for seq in seqs:
             if budget <= 0:

@@ -87,7 +87,7 @@ class ServerConfig:
     step_timeout_s: float = 120.0
     stream_interval: int = 1
     # Speculative decoding (docs/speculative.md): "off" or "ngram" (prompt lookup), the most
-    # drafts per sequence and step, and the most decoding sequences that still draft.
+    # drafts per step, and the most decoding sequences that still draft.
     speculative: str = "off"
     speculative_tokens: int = 16
     speculative_max_batch: int = 4
