@@ -96,8 +96,9 @@ def new_group(
     else:
         group.prefill = seq(None, params)
         for i in range(params.n):
-            seeded = params.seed is not None
-            child = dataclasses.replace(params, seed=params.seed + i) if seeded else params
+            child = params
+            if params.seed is not None:
+                child = dataclasses.replace(params, seed=params.seed + i)
             group.samples.append(seq(i, child))
     group.num_live = params.n
     return group
