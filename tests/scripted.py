@@ -132,19 +132,36 @@ class ScriptedRunner:
             scores = self.scores.setdefault(chunk.seq_id, [])
             del scores[chunk.start_pos :]  # a chunk run again (after a failed step)
             scores.extend(prompt_score(chunk.seq_id, t, chunk.score_top) for t in chunk.score_ids)
-            end = chunk.start_pos + len(chunk.token_ids)
+            end = chunk.start_pos + len(chunk.token_ids) - chunk.num_drafts
             context = [chunk_token(self.kv, chunk.block_table, p, bs) for p in range(end)]
             for i, spec in enumerate(chunk.samples):
                 expected = [*spec.prompt_token_ids, *spec.output_token_ids]
                 if context != expected:
                     raise KVMismatch(f"seq {spec.seq_id}: cache {context} != {expected}")
                 index = self._sample_index.setdefault(spec.seq_id, i)
+                if chunk.num_drafts:
+                    out.extend(self._verify(spec, index, chunk.draft_token_ids))
+                    continue
                 token = self._sample(spec, index)
                 if spec.params.prompt_logprobs is not None and not spec.output_token_ids:
                     scores = tuple(self.scores.get(chunk.seq_id, ()))
                     token = dataclasses.replace(token, prompt_logprobs=scores)
                 out.append(token)
         self.released.update(plan.released)
+        return out
+
+    def _verify(self, spec: SampleSpec, index: int, drafts: tuple[int, ...]) -> list[SampledToken]:
+        """A drafted chunk's tokens: the script's token at each position while it equals
+        the draft there, then the first that differs (or the one after the last draft)."""
+        out: list[SampledToken] = []
+        for i in range(len(drafts) + 1):
+            position = dataclasses.replace(
+                spec, output_token_ids=spec.output_token_ids + drafts[:i]
+            )
+            token = self._sample(position, index)
+            out.append(token)
+            if i == len(drafts) or token.token_id != drafts[i]:
+                break
         return out
 
     def _sample(self, spec: SampleSpec, index: int) -> SampledToken:

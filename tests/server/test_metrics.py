@@ -44,7 +44,11 @@ def test_render_metrics_without_backend() -> None:
     text = render_metrics(None, {}, engine_up=False)
     assert "furnace_engine_up 0" in text
     assert "furnace_requests_running" not in text
-    assert render_metrics(EngineStatistics(), {}, engine_up=True).count("_bucket{") == 6 * 19
+    text = render_metrics(EngineStatistics(), {}, engine_up=True)
+    # six latency histograms, and speculative decoding's acceptance and tokens per step
+    assert text.count("_bucket{") == 6 * 19 + 2 * 11
+    assert "furnace_spec_drafted_tokens_total 0" in text
+    assert 'furnace_spec_acceptance_ratio_bucket{le="1"} 0' in text
 
 
 def test_render_metrics_has_the_pacers_gauges() -> None:

@@ -51,6 +51,13 @@ class ChunkPlan:
     its tokens, up to the prompt's end. The runner gives their logprobs (and the
     ``score_top`` most likely alternatives) with the prompt's sampled tokens, in
     :attr:`SampledToken.prompt_logprobs`.
+
+    ``num_drafts`` (speculative decoding; a decode chunk with exactly one sample): the last
+    ``num_drafts`` of ``token_ids`` are proposed tokens, not yet sampled. The runner
+    verifies them from the logits at the chunk's last ``num_drafts + 1`` positions and
+    returns the sample's tokens in order: the drafts it accepted (a prefix of them, each
+    the token it drew at that position) and then one token it drew itself, so between 1
+    and ``num_drafts + 1`` tokens. The sample's ``output_token_ids`` do not hold the drafts.
     """
 
     seq_id: int
@@ -60,6 +67,12 @@ class ChunkPlan:
     samples: tuple[SampleSpec, ...] = ()
     score_ids: tuple[int, ...] = ()
     score_top: int = 0
+    num_drafts: int = 0
+
+    @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        """The proposed tokens at the chunk's end (``()`` without drafts)."""
+        return self.token_ids[len(self.token_ids) - self.num_drafts :] if self.num_drafts else ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +116,9 @@ class SampledToken:
 class StepRunner(Protocol):
     """What the engine needs of a model: the real runner, or a scripted one in tests.
 
-    ``step`` blocks (it runs on a worker thread) and may raise. The engine then runs the
+    ``step`` returns one :class:`SampledToken` per sample of the plan, except for a chunk
+    with drafts (:attr:`ChunkPlan.num_drafts`), whose sample gets its verified tokens in
+    order. ``step`` blocks (it runs on a worker thread) and may raise. The engine then runs the
     plan's chunks again in smaller plans (without its block copies and releases, which
     run first in a plan of no chunks) until it knows which requests make it raise, and
     fails only those. So a step must be safe to run again with a subset of its chunks:

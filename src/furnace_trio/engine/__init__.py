@@ -28,6 +28,7 @@ from furnace_trio.engine.events import (
     LogprobEntry,
     TopLogprob,
 )
+from furnace_trio.engine.speculation import SpeculationConfig
 from furnace_trio.engine.stats import EngineStatistics
 from furnace_trio.engine.status import EngineStatus, RequestPhase, RequestStatus
 from furnace_trio.engine.stream import RequestStream
@@ -53,5 +54,6 @@ __all__ = [
     "RequestStatus",
     "RequestStream",
     "RequestTooLarge",
+    "SpeculationConfig",
     "TopLogprob",
 ]

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from furnace_trio.engine.speculation import SpeculationConfig
+
+_NO_SPECULATION = SpeculationConfig()  # frozen, so one default is safe to share
+
 __all__ = ["LIVE_FIELDS", "EngineConfig"]
 
 #: The settings :meth:`Engine.reconfigure <furnace_trio.engine.Engine.reconfigure>` changes
@@ -52,6 +56,8 @@ class EngineConfig:
     # Prefill chunks sized so that a step with running decodes takes about this long (see
     # furnace_trio.engine.pacing); None: the fixed max_step_tokens budget alone.
     target_itl_ms: float | None = None
+    # Speculative decoding (furnace_trio.engine.speculation); method "off" by default.
+    speculation: SpeculationConfig = _NO_SPECULATION
 
     def __post_init__(self) -> None:
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:

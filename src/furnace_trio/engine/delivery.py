@@ -44,6 +44,10 @@ class _Request:
     any_length: bool = False
     # per sample index, tokens held back for the next group (stream_interval > 1)
     held: dict[int, list[SampledToken]] = field(default_factory=dict)
+    # speculative decoding, per sample index: (drafted, accepted) not yet sent
+    drafts: dict[int, tuple[int, int]] = field(default_factory=dict)
+    drafted: int = 0  # the request's drafts in all, and of those accepted
+    accepted: int = 0
 
 
 class Outbox:
@@ -131,6 +135,8 @@ class Outbox:
             scores = output.prompt_logprobs
             if scores is not None and not self._send(request, PromptScores(output.index, scores)):
                 continue
+            if output.drafted:
+                self._count_drafts(request, output)
             if output.token is not None:
                 metrics.generation_tokens_total += 1
                 if request.first_token_at is None:
@@ -141,13 +147,13 @@ class Outbox:
                     metrics.inter_token_latency.observe(now - last)
                 request.last_token_at[output.index] = now
                 if last is None or interval == 1:
-                    message = Tokens(output.index, (output.token,))
+                    message = self._tokens(request, output.index, (output.token,))
                 else:
                     held = request.held.setdefault(output.index, [])
                     held.append(output.token)
                     if len(held) < interval and output.finish is None:
                         continue
-                    message = Tokens(output.index, tuple(held))
+                    message = self._tokens(request, output.index, tuple(held))
                     held.clear()
                 if not self._send(request, message):
                     continue
@@ -186,6 +192,23 @@ class Outbox:
             request.send.close()
         self._requests.clear()
 
+    def _count_drafts(self, request: _Request, output: SampleOutput) -> None:
+        """Speculative decoding's figures of one drafted step of a sample."""
+        metrics = self._metrics
+        metrics.spec_drafted_tokens_total += output.drafted
+        metrics.spec_accepted_tokens_total += output.accepted
+        metrics.spec_tokens_per_step.observe(output.accepted + 1)
+        request.drafted += output.drafted
+        request.accepted += output.accepted
+        drafted, accepted = request.drafts.get(output.index, (0, 0))
+        request.drafts[output.index] = (drafted + output.drafted, accepted + output.accepted)
+
+    @staticmethod
+    def _tokens(request: _Request, index: int, tokens: tuple[SampledToken, ...]) -> Tokens:
+        """A :class:`Tokens` message, with the sample's draft counts since its last one."""
+        drafted, accepted = request.drafts.pop(index, (0, 0))
+        return Tokens(index, tokens, drafted, accepted)
+
     def _send(self, request: _Request, message: Message) -> bool:
         """Whether the message went out; a closed stream aborts the request, and one that
         holds too much unsent pauses it."""
@@ -202,7 +225,9 @@ class Outbox:
         if request.done[index]:
             return
         held = request.held.pop(index, None)
-        if held and not self._send(request, Tokens(index, tuple(held))):
+        if (held or index in request.drafts) and not self._send(
+            request, self._tokens(request, index, tuple(held or ()))
+        ):
             return
         request.done[index] = True
         request.live -= 1
@@ -214,4 +239,6 @@ class Outbox:
             self._on_finished(request.request_id)
             self._metrics.count("finished_length" if request.any_length else "finished_stop")
             self._metrics.e2e_latency.observe(trio.current_time() - request.submitted_at)
+            if request.drafted:
+                self._metrics.spec_acceptance.observe(request.accepted / request.drafted)
             request.send.close()

@@ -59,7 +59,7 @@ from furnace_trio.engine.config import LIVE_FIELDS, EngineConfig
 from furnace_trio.engine.delivery import Outbox
 from furnace_trio.engine.errors import EngineBusy, EngineError, EngineUnavailable, check_request
 from furnace_trio.engine.events import FailureCause, GenerationRequest
-from furnace_trio.engine.isolation import StepAbandoned, isolate
+from furnace_trio.engine.isolation import StepAbandoned, run_isolating
 from furnace_trio.engine.kv_cache_manager import KVCacheManager
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.engine.pacing import StepPacer
@@ -67,7 +67,7 @@ from furnace_trio.engine.scheduler import FinishReason, ScheduledStep, Scheduler
 from furnace_trio.engine.session_turns import SessionTurns
 from furnace_trio.engine.sessions import Session, SessionReply, SessionStore, Turn
 from furnace_trio.engine.stats import EngineMetrics, EngineStatistics
-from furnace_trio.engine.status import EngineStatus, StepRate, request_status
+from furnace_trio.engine.status import EngineStatus, StepRate, engine_status
 from furnace_trio.engine.stream import RequestStream, TokenText
 
 logger = logging.getLogger(__name__)
@@ -115,6 +115,7 @@ class Engine:
             max_step_tokens=config.max_step_tokens,
             max_context=self.max_context,
             eos_token_ids=eos_token_ids,
+            speculation=config.speculation,
         )
         max_blocks = config.session_max_blocks
         self.sessions = SessionStore(
@@ -358,33 +359,16 @@ class Engine:
         """Every request in flight (running ones in admission order, then the queue) with its
         phase and KV, and the engine's KV and step rate: a frozen snapshot of now, for an
         operator (``GET /status``). Never awaits."""
-        now = trio.current_time()
-        scheduler = self._scheduler
-        requests = tuple(
-            request_status(
-                group,
-                submitted_at=self._outbox.submitted_at(group.request_id),
-                now=now,
-                session_id=self._turns.session_of(group.request_id),
-            )
-            for group in (*scheduler.running.values(), *scheduler.waiting)
-        )
-        pool = self._pool
-        return EngineStatus(
-            state=self._state.value,
-            alive=self.alive,
-            running=scheduler.num_running,
-            waiting=scheduler.num_waiting,
-            kv_blocks_total=pool.num_blocks,
-            kv_blocks_used=pool.num_used,
-            kv_blocks_free=pool.num_free,
-            kv_blocks_reserved=self._kv.num_reserved,
-            kv_blocks_pinned=self.sessions.pinned_blocks,
-            kv_blocks_cached=pool.num_unreferenced_cached,
-            sessions=len(self.sessions),
-            steps_total=self._steps.total,
-            step_rate=self._steps.rate(now),
-            requests=requests,
+        return engine_status(
+            self._state.value,
+            self.alive,
+            self._scheduler,
+            self._kv,
+            self.sessions,
+            self._steps,
+            trio.current_time(),
+            submitted_at=self._outbox.submitted_at,
+            session_of=self._turns.session_of,
             pacing=None if self._pacer is None else self._pacer.status(),
         )
 
@@ -485,28 +469,18 @@ class Engine:
                 self._metrics.decode_step_time.observe(now - started)
             self._outbox.deliver(outputs, now)
             if self._pacer is not None:
-                self._pacer.finish(step.num_prefill_tokens, step.num_decode_tokens)
+                self._pacer.finish(
+                    step.num_prefill_tokens, step.num_decode_tokens + step.num_draft_tokens
+                )
 
     async def _run(self, step: ScheduledStep) -> tuple[ScheduledStep, list[SampledToken]]:
         """Run ``step``; if it raises, find the requests that make it raise and fail only
         them (:func:`~furnace_trio.engine.isolation.isolate`). The step that ran and its
         tokens: ``step`` itself, or the part of it whose requests did not fail."""
-        try:
-            return step, await self._run_step(step.plan)
-        except StepAbandoned:
-            raise
-        except Exception as exc:
-            error = exc
-        logger.warning(
-            "A model step of %d requests failed (%r); running them again apart",
-            len(set(step.request_ids)),
-            error,
-        )
-        isolated = await isolate(step.plan, self._scheduler.request_of, self._run_step, error)
+        isolated = await run_isolating(step.plan, self._scheduler.request_of, self._run_step)
+        if isolated.plan is step.plan:
+            return step, isolated.sampled
         for request_id, failure in isolated.failures.items():
-            logger.warning(
-                "Request %s fails the model step: %r", request_id, failure, exc_info=failure
-            )
             self._scheduler.abort(request_id)
             self._fail_request(request_id, f"the model failed: {failure}")
         return self._scheduler.narrow(step, isolated.plan), isolated.sampled

@@ -74,6 +74,9 @@ class Finished:
     index: int
     reason: Literal["stop", "length"]
     completion_tokens: int
+    #: Speculative decoding: draft tokens the sample ran, and how many of them it kept.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class FailureCause(enum.Enum):

@@ -28,12 +28,15 @@ with its own error. Nothing loops: each re-run has fewer requests than the one b
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from furnace_trio.core.plan import ChunkPlan, SampledToken, StepPlan
 
-__all__ = ["Isolated", "StepAbandoned", "isolate"]
+__all__ = ["Isolated", "StepAbandoned", "isolate", "run_isolating"]
+
+logger = logging.getLogger(__name__)
 
 
 class StepAbandoned(Exception):
@@ -85,6 +88,27 @@ async def isolate(
         await finder.split(groups)
     ran = [chunk for request_id, chunks in groups if request_id in finder.ran for chunk in chunks]
     return Isolated(StepPlan(tuple(ran)), finder.sampled, finder.failures)
+
+
+async def run_isolating(
+    plan: StepPlan, request_of: Callable[[int], str | None], run: RunStep
+) -> Isolated:
+    """Run ``plan``; when it raises, :func:`isolate` the requests that make it raise. The
+    result's ``plan`` is ``plan`` itself when it ran whole (no failures)."""
+    try:
+        return Isolated(plan, await run(plan), {})
+    except StepAbandoned:
+        raise
+    except Exception as exc:
+        error = exc
+    requests = {request_of(chunk.seq_id) for chunk in plan.chunks} - {None}
+    logger.warning(
+        "A model step of %d requests failed (%r); running them again apart", len(requests), error
+    )
+    isolated = await isolate(plan, request_of, run, error)
+    for request_id, failure in isolated.failures.items():
+        logger.warning("Request %s fails the model step: %r", request_id, failure, exc_info=failure)
+    return isolated
 
 
 class _Finder:

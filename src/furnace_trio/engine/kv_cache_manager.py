@@ -206,6 +206,19 @@ class KVCacheManager:
         self._reserved -= need
         return blocks
 
+    def truncate(self, seq: SeqBlocks, num_tokens: int) -> None:
+        """Give the blocks past ``seq``'s first ``num_tokens`` positions back to its
+        reservation (the positions of drafts that verification rejected). They hold no
+        computed tokens, so none of them is keyed or shared."""
+        keep = self.pool.blocks_for(num_tokens)
+        extra = seq.block_table[keep:]
+        if not extra:
+            return
+        del seq.block_table[keep:]
+        self.pool.free(extra)
+        seq.reserved += len(extra)
+        self._reserved += len(extra)
+
     def cache_blocks(self, seq: SeqBlocks, token_ids: Sequence[int], num_computed: int) -> None:
         """Key the blocks of ``seq`` that became full (their KV is written once the step
         that computed them returned)."""

@@ -21,6 +21,9 @@ class Tokens:
 
     index: int
     tokens: tuple[SampledToken, ...]
+    #: Speculative decoding since the sample's previous message: drafts run, accepted.
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(frozen=True, slots=True)

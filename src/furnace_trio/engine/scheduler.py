@@ -18,12 +18,11 @@ Each :meth:`Scheduler.schedule` builds one :class:`~furnace_trio.core.plan.StepP
 
 Memory: admission asks the :class:`~furnace_trio.engine.kv_cache_manager.KVCacheManager`
 for the request's worst case of KV blocks (reservation, no preemption: a sequence, once
-admitted, can always finish; no recomputation, no swapping, and a request's latency never
-jumps because another one arrived). The cost is admitting fewer requests than lazy
-allocation would when most stop early; with a prefix cache (whose evictable blocks count as
-free) and the usual short ``max_tokens`` that is the right trade for a small server. The
-manager keeps the block tables, the prefix-cache matches, the forks and the pins; the
-scheduler only decides what runs.
+admitted, can always finish). The manager keeps the block tables, the prefix-cache
+matches, the forks and the pins; the scheduler only decides what runs.
+
+Speculative decoding (:mod:`~furnace_trio.engine.speculation`): a decoding sequence's
+chunk may carry drafts after its last token; the speculator settles what was accepted.
 
 ``n > 1``: a *parent* sequence runs the prompt once; its last chunk samples ``n`` children
 (their own seq ids, ``seed + index`` when seeded so that they differ). Each child that goes
@@ -54,7 +53,6 @@ import dataclasses
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import ChunkPlan, SampledToken, SampleSpec, StepPlan
@@ -64,45 +62,15 @@ from furnace_trio.engine.kv_cache_manager import (
     KeptKV,
     KVCacheManager,
     RequestBlocks,
-    SeqBlocks,
 )
 from furnace_trio.engine.pacing import StepPacer
-from furnace_trio.engine.sequence import FinishReason, Group, Seq, SeqStatus
+from furnace_trio.engine.sequence import Group, Seq, SeqStatus, new_group
+from furnace_trio.engine.speculation import SpeculationConfig, Speculator, answers
+from furnace_trio.engine.step_outputs import FinishReason, SampleOutput, ScheduledStep, StepMismatch
+
+__all__ = ["FinishReason", "SampleOutput", "ScheduledStep", "Scheduler", "StepMismatch"]
 
 logger = logging.getLogger(__name__)
-
-
-class StepMismatch(ValueError):
-    """The runner's tokens do not answer the plan's samples (a runner bug, not ours)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledStep:
-    """A plan plus what the engine needs to know about it."""
-
-    plan: StepPlan
-    admitted: tuple[str, ...]  # requests whose prefill starts in this step
-    cached_tokens: tuple[int, ...]  # per admitted request: prompt tokens from the cache
-    request_ids: tuple[str, ...]  # every request with a chunk in the plan
-    num_prefill_tokens: int
-    num_decode_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class SampleOutput:
-    """A sampled token of sample ``index`` of a request, and whether that sample finished.
-
-    ``token`` is ``None`` when the sampled token ends the sample without being part of the
-    output (an EOS or a ``stop_token_ids`` token).
-    """
-
-    request_id: str
-    index: int
-    token: SampledToken | None
-    finish: FinishReason | None
-    #: The prompt's scores (``prompt_logprobs``), with each sample's first token, even
-    #: one that is not output.
-    prompt_logprobs: tuple[SampledToken, ...] | None = None
 
 
 class Scheduler:
@@ -116,6 +84,7 @@ class Scheduler:
         max_step_tokens: int,
         max_context: int,
         eos_token_ids: Iterable[int],
+        speculation: SpeculationConfig | None = None,
     ) -> None:
         if max_running < 1:
             raise ValueError("max_running must be at least 1")
@@ -128,6 +97,9 @@ class Scheduler:
         self.max_step_tokens = max_step_tokens
         self.max_context = max_context
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.speculator: Speculator | None = None
+        if speculation is not None and speculation.enabled:
+            self.speculator = Speculator(speculation)
         self.waiting: deque[Group] = deque()
         self.running: dict[str, Group] = {}  # insertion order == admission order
         self._waiting_ids: dict[str, Group] = {}
@@ -199,26 +171,11 @@ class Scheduler:
         if keep_kv and params.n != 1:
             raise ValueError("keep_kv needs n == 1")
         prompt = tuple(prompt)
-        group = Group(
-            request_id=request_id,
-            prompt=prompt,
-            params=params,
-            blocks_needed=self.blocks_needed(len(prompt), params),
-            prompt_keys=self.kv.prompt_keys(prompt),
-            keep_kv=keep_kv,
-        )
-        if params.n == 1:
-            seq = self._new_seq(group, 0, params)
-            group.prefill = seq
-            group.samples = [seq]
-        else:
-            group.prefill = self._new_seq(group, None, params)
-            for i in range(params.n):
-                child_params = params
-                if params.seed is not None:
-                    child_params = dataclasses.replace(params, seed=params.seed + i)
-                group.samples.append(self._new_seq(group, i, child_params))
-        group.num_live = params.n
+        blocks_needed = self.blocks_needed(len(prompt), params)
+        keys = self.kv.prompt_keys(prompt)
+        group = new_group(request_id, prompt, params, blocks_needed, keys, self._next_seq_id)
+        group.keep_kv = keep_kv
+        self._next_seq_id += params.n + (params.n > 1)
         self.waiting.append(group)
         self._waiting_ids[request_id] = group
         self._num_waiting_samples += params.n
@@ -284,21 +241,26 @@ class Scheduler:
         budget = self.max_step_tokens
         chunks: list[ChunkPlan] = []
         request_ids: list[str] = []
-        num_decode = 0
-        # 1. one token for every decoding sequence
+        # 1. one token for every decoding sequence, and its drafts (speculation)
+        decoding: list[Seq] = []
         for group in self.running.values():
             if group.paused:
                 continue
             if group.prefill is not None and group.prefill.num_computed_tokens < len(group.prompt):
                 continue
             request_ids.append(group.request_id)
-            for seq in group.samples:
-                if seq.status is SeqStatus.RUNNING:
-                    chunks.append(self._chunk(seq, len(seq.token_ids) - seq.num_computed_tokens))
-                    num_decode += 1
+            decoding.extend(seq for seq in group.samples if seq.status is SeqStatus.RUNNING)
+        num_decode = len(decoding)
         budget -= num_decode
-        if self.pacer is not None:
-            budget = self.pacer.prefill_budget(num_decode, budget)
+        drafts = self.speculator.propose_all(decoding, budget) if self.speculator else {}
+        num_drafts = 0
+        for seq in decoding:
+            proposed = drafts.get(seq.seq_id, ())
+            chunks.append(self._chunk(seq, len(seq.token_ids) - seq.num_computed_tokens, proposed))
+            num_drafts += len(proposed)
+        budget -= num_drafts
+        if self.pacer is not None:  # draft rows cost as decode rows do
+            budget = self.pacer.prefill_budget(num_decode + num_drafts, budget)
         granted = budget
         # 2. prompt chunks of running requests, oldest first
         for group in self.running.values():
@@ -342,6 +304,7 @@ class Scheduler:
             request_ids=tuple(request_ids),
             num_prefill_tokens=granted - budget,
             num_decode_tokens=num_decode,
+            num_draft_tokens=num_drafts,
         )
 
     # -- results ----------------------------------------------------------------------------
@@ -352,31 +315,32 @@ class Scheduler:
         Raises :class:`StepMismatch` (changing nothing) when ``sampled`` does not answer the plan's
         samples exactly; the caller then fails the plan's requests like a raising step.
         """
-        by_seq = {token.seq_id: token for token in sampled}
-        expected = [spec.seq_id for chunk in step.plan.chunks for spec in chunk.samples]
-        if len(by_seq) != len(sampled) or by_seq.keys() != set(expected):
-            raise StepMismatch(
-                f"the runner returned {len(sampled)} tokens for {len(expected)} samples"
-            )
+        try:
+            by_seq = answers(step.plan, sampled)
+        except ValueError as exc:
+            raise StepMismatch(str(exc)) from None
         outputs: list[SampleOutput] = []
         for chunk in step.plan.chunks:
             seq = self._seqs.get(chunk.seq_id)
             if seq is None:
                 continue  # aborted while the step ran
+            if chunk.num_drafts:
+                outputs.extend(self._verified(seq, chunk, by_seq[seq.seq_id]))
+                continue
             seq.num_computed_tokens = num_computed = chunk.start_pos + len(chunk.token_ids)
             self.kv.cache_blocks(seq.kv, seq.token_ids, num_computed)
             if not chunk.samples:
                 continue
             group = seq.group
             if seq.index is not None:
-                outputs.append(self._append(seq, by_seq[seq.seq_id]))
+                outputs.append(self._append(seq, by_seq[seq.seq_id][0]))
                 continue
             # the parent of n > 1: each child that goes on forks the prompt's blocks
             for spec in chunk.samples:
                 child = self._seqs.get(spec.seq_id)
                 if child is None:
                     continue
-                output = self._append(child, by_seq[child.seq_id])
+                output = self._append(child, by_seq[child.seq_id][0])
                 outputs.append(output)
                 if output.finish is None:
                     self._fork(seq, child)
@@ -413,18 +377,6 @@ class Scheduler:
         return ids
 
     # -- internals --------------------------------------------------------------------------
-
-    def _new_seq(self, group: Group, index: int | None, params: SamplingParams) -> Seq:
-        seq = Seq(
-            seq_id=self._next_seq_id,
-            group=group,
-            index=index,
-            params=params,
-            token_ids=list(group.prompt),
-            kv=SeqBlocks(group.prompt_keys),  # no blocks until admitted
-        )
-        self._next_seq_id += 1
-        return seq
 
     def _allocate(self, group: Group) -> tuple[RequestBlocks | None, ComputedBlocks]:
         computed = NO_COMPUTED_BLOCKS
@@ -464,10 +416,10 @@ class Scheduler:
             self._seqs[seq.seq_id] = seq
         return True
 
-    def _chunk(self, seq: Seq, num_tokens: int) -> ChunkPlan:
+    def _chunk(self, seq: Seq, num_tokens: int, drafts: tuple[int, ...] = ()) -> ChunkPlan:
         start = seq.num_computed_tokens
         end = start + num_tokens
-        if self.kv.allocate_slots(seq.kv, end) is None:
+        if self.kv.allocate_slots(seq.kv, end + len(drafts)) is None:
             raise RuntimeError(f"seq {seq.seq_id} outgrew its KV reservation (a scheduler bug)")
         group = seq.group
         samples: tuple[SampleSpec, ...] = ()
@@ -487,12 +439,13 @@ class Scheduler:
         prompt = group.prompt
         return ChunkPlan(
             seq_id=seq.seq_id,
-            token_ids=tuple(seq.token_ids[start:end]),
+            token_ids=tuple(seq.token_ids[start:end]) + drafts,
             start_pos=start,
             block_table=tuple(seq.kv.block_table),
             samples=samples,
             score_ids=() if top is None else prompt[start + 1 : min(end + 1, len(prompt))],
             score_top=top or 0,
+            num_drafts=len(drafts),
         )
 
     def _fork(self, parent: Seq, child: Seq) -> None:
@@ -500,6 +453,18 @@ class Scheduler:
         if not self.kv.fork(parent.kv, child.kv, prompt_len):
             raise RuntimeError(f"seq {child.seq_id} could not fork its parent (a scheduler bug)")
         child.num_computed_tokens = prompt_len
+
+    def _verified(
+        self, seq: Seq, chunk: ChunkPlan, tokens: Sequence[SampledToken]
+    ) -> list[SampleOutput]:
+        """Apply a drafted chunk's verified ``tokens``: the KV of the last token and of the
+        accepted drafts stays computed, the rejected drafts' blocks go back to the
+        reservation, and the tokens are appended up to the first that ends the sample."""
+        assert self.speculator is not None  # only its chunks have drafts
+        kept, accepted = self.speculator.settle(seq, chunk, tokens, self.kv, self.eos_token_ids)
+        outputs = [self._append(seq, token) for token in kept]
+        outputs[0] = dataclasses.replace(outputs[0], drafted=chunk.num_drafts, accepted=accepted)
+        return outputs
 
     def _append(self, seq: Seq, token: SampledToken) -> SampleOutput:
         params = seq.params

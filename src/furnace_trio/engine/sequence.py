@@ -11,19 +11,16 @@ the :class:`~furnace_trio.engine.kv_cache_manager.KVCacheManager`'s
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.engine.block_pool import BlockKey
 from furnace_trio.engine.kv_cache_manager import SeqBlocks
+from furnace_trio.engine.speculation import DraftState
 
-__all__ = ["FinishReason", "Group", "Seq", "SeqStatus"]
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"
-    LENGTH = "length"
+__all__ = ["Group", "Seq", "SeqStatus", "new_group"]
 
 
 class SeqStatus(enum.Enum):
@@ -50,6 +47,7 @@ class Seq:
     kv: SeqBlocks
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
+    draft: DraftState | None = None  # speculative decoding's state, once it drafted
 
     @property
     def num_output_tokens(self) -> int:
@@ -72,3 +70,35 @@ class Group:
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache at admission
     keep_kv: bool = False
     paused: bool = False  # running, but takes no steps (its client stopped reading)
+
+
+def new_group(
+    request_id: str,
+    prompt: tuple[int, ...],
+    params: SamplingParams,
+    blocks_needed: int,
+    prompt_keys: tuple[BlockKey, ...],
+    first_seq_id: int,
+) -> Group:
+    """A queued request's records: one sequence for ``n == 1``; for ``n > 1`` a prompt
+    parent and ``n`` samples (``seed + index`` when seeded, so that they differ). Seq ids
+    count up from ``first_seq_id`` (``n``, or ``n + 1`` of them, are taken)."""
+    group = Group(request_id, prompt, params, blocks_needed, prompt_keys=prompt_keys)
+    ids = iter(range(first_seq_id, first_seq_id + params.n + 1))
+
+    def seq(index: int | None, seq_params: SamplingParams) -> Seq:
+        # no KV blocks until admitted
+        return Seq(next(ids), group, index, seq_params, list(prompt), SeqBlocks(prompt_keys))
+
+    if params.n == 1:
+        group.prefill = seq(0, params)
+        group.samples = [group.prefill]
+    else:
+        group.prefill = seq(None, params)
+        for i in range(params.n):
+            child = params
+            if params.seed is not None:
+                child = dataclasses.replace(params, seed=params.seed + i)
+            group.samples.append(seq(i, child))
+    group.num_live = params.n
+    return group

@@ -22,6 +22,11 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0,
 )  # fmt: skip
 
+#: Speculative decoding: a request's accepted share of its drafts.
+RATIO_BUCKETS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+#: Speculative decoding: tokens a drafting sequence got from one step.
+STEP_TOKEN_BUCKETS: tuple[float, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+
 #: Request outcomes counted in :attr:`EngineStatistics.requests`.
 OUTCOMES: tuple[str, ...] = ("finished_stop", "finished_length", "aborted", "failed", "rejected")
 
@@ -69,8 +74,8 @@ def _no_outcomes() -> Mapping[str, int]:
     return MappingProxyType(dict.fromkeys(OUTCOMES, 0))
 
 
-def _empty() -> HistogramSnapshot:
-    return Histogram().snapshot()
+def _empty(bounds: Sequence[float] = LATENCY_BUCKETS) -> HistogramSnapshot:
+    return Histogram(bounds).snapshot()
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +119,14 @@ class EngineStatistics:
     requests_cancelled_before_admission_total: int = 0
     steps_total: int = 0  # model steps run (a failed step and its re-runs count once)
     pacing: PacingStatus | None = None  # the prefill pacer's estimates, when it paces
+    spec_drafted_tokens_total: int = 0  # speculative drafts run
+    spec_accepted_tokens_total: int = 0  # of which verification kept
+    #: Per request that drafted: accepted / drafted.
+    spec_acceptance: HistogramSnapshot = field(default_factory=lambda: _empty(RATIO_BUCKETS))
+    #: Per drafted step of a sequence: the tokens it got (accepted drafts + 1).
+    spec_tokens_per_step: HistogramSnapshot = field(
+        default_factory=lambda: _empty(STEP_TOKEN_BUCKETS)
+    )
 
     @property
     def idle(self) -> bool:
@@ -151,6 +164,10 @@ class EngineMetrics:
     decode_step_time: Histogram = field(default_factory=Histogram)
     pauses_total: int = 0
     cancelled_before_admission: int = 0
+    spec_drafted_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_acceptance: Histogram = field(default_factory=lambda: Histogram(RATIO_BUCKETS))
+    spec_tokens_per_step: Histogram = field(default_factory=lambda: Histogram(STEP_TOKEN_BUCKETS))
 
     def count(self, outcome: str) -> None:
         if outcome not in self.outcomes:
@@ -209,4 +226,8 @@ class EngineMetrics:
             requests_cancelled_before_admission_total=self.cancelled_before_admission,
             steps_total=steps_total,
             pacing=pacing,
+            spec_drafted_tokens_total=self.spec_drafted_tokens_total,
+            spec_accepted_tokens_total=self.spec_accepted_tokens_total,
+            spec_acceptance=self.spec_acceptance.snapshot(),
+            spec_tokens_per_step=self.spec_tokens_per_step.snapshot(),
         )

@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from furnace_trio.engine.pacing import PacingStatus
 from furnace_trio.engine.sequence import Group, SeqStatus
+
+if TYPE_CHECKING:
+    from furnace_trio.engine.kv_cache_manager import KVCacheManager
+    from furnace_trio.engine.scheduler import Scheduler
+    from furnace_trio.engine.sessions import SessionStore
 
 __all__ = ["EngineStatus", "RequestPhase", "RequestStatus", "StepRate"]
 
@@ -138,3 +145,47 @@ class StepRate:
             return 0.0
         # steps since the oldest one in the window, over the time since it
         return (len(times) - 1) / max(now - times[0], 1e-9)
+
+
+def engine_status(
+    state: str,
+    alive: bool,
+    scheduler: Scheduler,
+    kv: KVCacheManager,
+    sessions: SessionStore,
+    steps: StepRate,
+    now: float,
+    *,
+    submitted_at: Callable[[str], float | None],
+    session_of: Callable[[str], str | None],
+    pacing: PacingStatus | None = None,
+) -> EngineStatus:
+    """The engine's snapshot from its parts: every request in flight (running ones in
+    admission order, then the queue), with when it was submitted and its session."""
+    requests = tuple(
+        request_status(
+            group,
+            submitted_at=submitted_at(group.request_id),
+            now=now,
+            session_id=session_of(group.request_id),
+        )
+        for group in (*scheduler.running.values(), *scheduler.waiting)
+    )
+    pool = kv.pool
+    return EngineStatus(
+        state=state,
+        alive=alive,
+        running=scheduler.num_running,
+        waiting=scheduler.num_waiting,
+        kv_blocks_total=pool.num_blocks,
+        kv_blocks_used=pool.num_used,
+        kv_blocks_free=pool.num_free,
+        kv_blocks_reserved=kv.num_reserved,
+        kv_blocks_pinned=sessions.pinned_blocks,
+        kv_blocks_cached=pool.num_unreferenced_cached,
+        sessions=len(sessions),
+        steps_total=steps.total,
+        step_rate=steps.rate(now),
+        requests=requests,
+        pacing=pacing,
+    )

@@ -78,6 +78,8 @@ class _SampleText:
     detokenizer: Detokenizer
     stops: StopStringMatcher | None
     completion_tokens: int = 0
+    drafted: int = 0  # speculative decoding: draft tokens run, and kept
+    accepted: int = 0
     finished: bool = False
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
@@ -177,7 +179,12 @@ class RequestStream:
 
     def _handle(self, message: Message) -> None:
         if isinstance(message, Tokens):
-            self._on_tokens(message.index, message.tokens)
+            sample = self._samples[message.index]
+            if message.drafted and not sample.finished:
+                sample.drafted += message.drafted
+                sample.accepted += message.accepted
+            if message.tokens:  # none: only the counts of a step that ended the sample
+                self._on_tokens(message.index, message.tokens)
         elif isinstance(message, Finish):
             self._on_finish(message.index, message.reason.value)
         elif isinstance(message, PromptScores):
@@ -240,7 +247,9 @@ class RequestStream:
         if text or sample.token_ids or sample.prompt_logprobs is not None:
             self._emit_delta(index, text)
         sample.finished = True
-        self._ready.append(Finished(index, reason, sample.completion_tokens))
+        self._ready.append(
+            Finished(index, reason, sample.completion_tokens, sample.drafted, sample.accepted)
+        )
         self._live -= 1
         if self._live == 0:
             self._done = True

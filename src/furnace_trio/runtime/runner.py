@@ -246,7 +246,11 @@ class ModelRunner:
                 if chunk.score_ids:
                     self._score(chunk, logits[row : row + len(chunk.score_ids)])
                     row += len(chunk.score_ids)
-                if chunk.samples:
+                if chunk.num_drafts:
+                    specs.extend(draft_specs(chunk))
+                    rows.extend(range(row, row + chunk.num_drafts + 1))
+                    row += chunk.num_drafts + 1
+                elif chunk.samples:
                     specs.extend(chunk.samples)
                     rows.extend([row] * len(chunk.samples))
                     row += 1
@@ -258,7 +262,7 @@ class ModelRunner:
             sampled = sample(logits, specs, generators, self._kernels)
             if self._prompt_scores:  # a scored prompt's first tokens carry its scores
                 self._with_prompt_scores(plan, sampled)
-            return sampled
+            return accept_drafts(plan, sampled)
 
     def _score(self, chunk: ChunkPlan, logits: torch.Tensor) -> None:
         """Keep the logprobs of the prompt tokens that ``chunk``'s positions predict (and
@@ -285,7 +289,7 @@ class ModelRunner:
         """Give the first tokens of scored prompts their prompt's scores (in place)."""
         at = 0
         for chunk in plan.chunks:
-            count = len(chunk.samples)
+            count = len(chunk.samples) + chunk.num_drafts
             first = count and not chunk.samples[0].output_token_ids
             if first and chunk.samples[0].params.prompt_logprobs is not None:
                 scores = tuple(self._prompt_scores.pop(chunk.seq_id, ()))
@@ -341,6 +345,49 @@ class ModelRunner:
             plan, self.block_size, self.device, all_rows=all_rows, split_upto=self._split_upto
         )
         return self.model(inputs, self.cache)
+
+
+def draft_specs(chunk: ChunkPlan) -> list[SampleSpec]:
+    """The sample specs of a chunk's draft positions: one per position from its last real
+    token on, each with the drafts before it as output, so that penalties and the
+    position's draw see the sequence as plain decoding would have had it there."""
+    spec = chunk.samples[0]
+    drafts = chunk.draft_token_ids
+    out = spec.output_token_ids
+    return [
+        dataclasses.replace(spec, output_token_ids=out + drafts[:i]) for i in range(len(drafts) + 1)
+    ]
+
+
+def accept_drafts(plan: StepPlan, sampled: list[SampledToken]) -> list[SampledToken]:
+    """The tokens of a step's samples with draft positions cut down to what verification
+    keeps: for each drafted chunk the drawn tokens up to and including the first one that
+    differs from its draft (all of them when every draft matched).
+
+    Each position's token was drawn from the model's distribution at that position given
+    the drafts before it, independently. Keeping draft ``i`` exactly when the draw there
+    equals it accepts it with probability ``p_i(draft)``, and the first differing draw is
+    a sample of ``p_i`` without the draft, renormalized: the standard rejection rule for a
+    deterministic proposal, so the tokens are distributed as plain decoding's. Greedy
+    rows draw the argmax, so greedy output is plain decoding's token for token.
+    """
+    if not any(chunk.num_drafts for chunk in plan.chunks):
+        return sampled
+    out: list[SampledToken] = []
+    at = 0
+    for chunk in plan.chunks:
+        rows = sampled[at : at + len(chunk.samples) + chunk.num_drafts]
+        at += len(rows)
+        if not chunk.num_drafts:
+            out.extend(rows)
+            continue
+        kept = 1
+        for token, draft in zip(rows, chunk.draft_token_ids, strict=False):
+            if token.token_id != draft:
+                break
+            kept += 1
+        out.extend(rows[:kept])
+    return out
 
 
 def _scores(plan: StepPlan) -> bool:
@@ -400,7 +447,9 @@ def build_inputs(
         # the row it samples from, if any (its last position, which no score takes).
         if chunk.score_ids:
             logit_rows.extend(range(first, first + len(chunk.score_ids)))
-        if all_rows or chunk.samples:
+        if chunk.num_drafts and chunk.samples:  # the last real token's and each draft's
+            logit_rows.extend(range(first + n - 1 - chunk.num_drafts, first + n))
+        elif all_rows or chunk.samples:
             logit_rows.append(starts[-1] - 1)
     # A row of one token decodes (batched attention); a longer one is a prefill chunk.
     decode_rows = [b for b in range(len(tables)) if starts[b + 1] - starts[b] == 1]

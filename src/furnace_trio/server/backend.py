@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from furnace_trio.core.plan import ChunkPlan, StepPlan, StepRunner
-from furnace_trio.engine import Engine, EngineConfig
+from furnace_trio.engine import Engine, EngineConfig, SpeculationConfig
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.loading.generation_defaults import NO_GENERATION_DEFAULTS, GenerationDefaults
 from furnace_trio.loading.tokenizer import Tokenizer
@@ -98,6 +98,11 @@ def engine_config(config: ServerConfig, device_type: str) -> EngineConfig:
         stream_interval=config.stream_interval,
         max_response_bytes=config.max_response_bytes,
         target_itl_ms=config.target_itl_ms,
+        speculation=SpeculationConfig(
+            method=config.speculative,
+            max_drafts=config.speculative_tokens,
+            max_batch=config.speculative_max_batch,
+        ),
     )
 
 

@@ -277,6 +277,29 @@ class ServerConfig:
             "([operations](operations.md#prefill-pacing)).",
         ),
     )
+    speculative: str = field(
+        default="off",
+        metadata=setting(
+            "FURNACE_SPECULATIVE",
+            "Speculative decoding: `ngram` drafts next tokens from the prompt and output so far "
+            "(prompt lookup) and verifies them in one step; greedy output is unchanged token for "
+            "token, sampling keeps its distribution; `off` ([speculative decoding](speculative.md)).",
+        ),
+    )
+    speculative_tokens: int = field(
+        default=16,
+        metadata=setting(
+            "FURNACE_SPECULATIVE_TOKENS",
+            "Most draft tokens per step, whichever sequences draft them.",
+        ),
+    )
+    speculative_max_batch: int = field(
+        default=4,
+        metadata=setting(
+            "FURNACE_SPECULATIVE_MAX_BATCH",
+            "No sequence drafts while more than this many decode.",
+        ),
+    )
     cuda_graphs: bool = field(
         default=True,
         metadata=setting(

@@ -16,6 +16,7 @@ from furnace_trio.server.config_values import (
     LOG_FORMATS,
     LOG_LEVELS,
     QUANTIZATIONS,
+    SPECULATIVE_METHODS,
     TOOL_PARSERS,
     ConfigError,
     flag,
@@ -93,6 +94,10 @@ def environment_values(environ: Mapping[str, str], defaults: ServerConfig) -> di
         prefix_cache=flag(environ, "FURNACE_PREFIX_CACHE", defaults.prefix_cache),
         step_timeout_s=positive_float(environ, "FURNACE_STEP_TIMEOUT_S", defaults.step_timeout_s),
         stream_interval=stream_interval or defaults.stream_interval,
+        speculative=_speculative(environ) or defaults.speculative,
+        speculative_tokens=integer("FURNACE_SPECULATIVE_TOKENS") or defaults.speculative_tokens,
+        speculative_max_batch=integer("FURNACE_SPECULATIVE_MAX_BATCH")
+        or defaults.speculative_max_batch,
         # unset or 0: no pacing
         target_itl_ms=positive_float(environ, "FURNACE_TARGET_ITL_MS", 0.0, allow_zero=True)
         or None,
@@ -145,6 +150,8 @@ def check_values(config: ServerConfig) -> None:
         "stream_interval",
         "max_sequences_per_request",
         "max_schema_nodes",
+        "speculative_tokens",
+        "speculative_max_batch",
     ):
         if getattr(config, name) < 1:
             raise ConfigError(f"{name} must be at least 1")
@@ -152,6 +159,11 @@ def check_values(config: ServerConfig) -> None:
         raise ConfigError("session_ttl_s must be > 0")
     if not config.step_timeout_s > 0:
         raise ConfigError("step_timeout_s must be > 0")
+    if config.speculative not in SPECULATIVE_METHODS:
+        raise ConfigError(
+            f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
+            f"got {config.speculative!r}"
+        )
     if config.target_itl_ms is not None and not 0 < config.target_itl_ms < float("inf"):
         raise ConfigError("target_itl_ms must be a finite number > 0")
     if not config.drain_timeout_s >= 0:
@@ -174,3 +186,17 @@ def check_values(config: ServerConfig) -> None:
         accepted_keys(config.api_key, config.api_keys)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _speculative(environ: Mapping[str, str]) -> str | None:
+    """``FURNACE_SPECULATIVE``: a method of :data:`SPECULATIVE_METHODS`, or unset."""
+    value = environ.get("FURNACE_SPECULATIVE", "").strip().lower()
+    if not value:
+        return None
+    if value not in SPECULATIVE_METHODS:
+        hint = " (draft models are not supported)" if value.startswith("draft:") else ""
+        raise ConfigError(
+            f"FURNACE_SPECULATIVE must be one of {', '.join(SPECULATIVE_METHODS)}, "
+            f"got {value!r}{hint}"
+        )
+    return value

@@ -22,6 +22,8 @@ LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS: tuple[str, ...] = ("text", "json")
 #: Tool-call output formats (``auto``: from the model's chat template, see docs/tools.md).
 TOOL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3", "mistral")
+#: Speculative decoding (``FURNACE_SPECULATIVE``), as furnace_trio.engine.speculation.METHODS.
+SPECULATIVE_METHODS: tuple[str, ...] = ("off", "ngram")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 #: What a request may hold unsent before it pauses (``FURNACE_MAX_RESPONSE_BYTES``).

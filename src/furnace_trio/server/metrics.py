@@ -20,6 +20,16 @@ _HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
     ("queue_time", "furnace_request_queue_time_seconds", "Time requests waited to be admitted."),
     ("prefill_step_time", "furnace_prefill_step_seconds", "Duration of steps with prefill."),
     ("decode_step_time", "furnace_decode_step_seconds", "Duration of decode-only steps."),
+    (
+        "spec_acceptance",
+        "furnace_spec_acceptance_ratio",
+        "Speculative decoding: per request that drafted, the share of its drafts accepted.",
+    ),
+    (
+        "spec_tokens_per_step",
+        "furnace_spec_tokens_per_step",
+        "Speculative decoding: tokens a drafting sequence got from one step.",
+    ),
 )
 
 
@@ -174,6 +184,20 @@ def render_metrics(
             "gauge",
             "KV blocks pinned by sessions.",
             stats.session_pinned_blocks,
+        )
+        _metric(
+            lines,
+            "furnace_spec_drafted_tokens_total",
+            "counter",
+            "Speculative decoding: draft tokens verified.",
+            stats.spec_drafted_tokens_total,
+        )
+        _metric(
+            lines,
+            "furnace_spec_accepted_tokens_total",
+            "counter",
+            "Speculative decoding: draft tokens accepted (the rest were wasted).",
+            stats.spec_accepted_tokens_total,
         )
         if stats.pacing is not None:
             _pacing(lines, stats.pacing)

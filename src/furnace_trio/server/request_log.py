@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from furnace_trio.engine import Delta
+from furnace_trio.engine import Delta, Finished
 from furnace_trio.server.log_setup import FIELDS
 from furnace_trio.server.sse import Collector
 
@@ -46,12 +46,18 @@ class RequestTiming:
     streamed_tokens: int = 0
     #: The name of the API key it was served under (``None``: a server without keys).
     key_name: str | None = None
+    #: Speculative decoding, every finished sample together: drafts run, and accepted.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     def observe(self, event: object) -> None:
         """Count an engine event's tokens (before any tool-call or echo translation, which
         may hold text back but not the tokens the model generated)."""
         if isinstance(event, Delta):
             self.streamed_tokens += len(event.token_ids)
+        elif isinstance(event, Finished):
+            self.drafted_tokens += event.drafted_tokens
+            self.accepted_tokens += event.accepted_tokens
 
     def log(self, collector: Collector) -> None:
         end = time.monotonic()
@@ -84,11 +90,14 @@ class RequestTiming:
             "decode_tok_s": round(decode_rate, 1),
             "finish": reasons,
             "total_s": round(end - self.started, 6),
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
         }
         logger.info(
             "request %s status=%d prompt_tokens=%d cached_tokens=%d generated_tokens=%d "
             "context=%d/%d kv=%d/%d blocks (%.0f%%) "
-            "queue_time=%.3fs prefill=%.1f tok/s decode=%.1f tok/s finish=%s total=%.3fs key=%s",
+            "queue_time=%.3fs prefill=%.1f tok/s decode=%.1f tok/s finish=%s total=%.3fs key=%s "
+            "drafted=%d accepted=%d",
             self.request_id,
             self.status,
             collector.prompt_tokens,
@@ -105,5 +114,7 @@ class RequestTiming:
             reasons,
             end - self.started,
             self.key_name or "-",
+            self.drafted_tokens,
+            self.accepted_tokens,
             extra={FIELDS: fields},
         )

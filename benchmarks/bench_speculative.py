@@ -1,0 +1,208 @@
+"""Speculative decoding (``FURNACE_SPECULATIVE``): tokens per second with it off and on.
+
+Workloads, greedy, natural ends (no ``ignore_eos``), on the default model with the
+server's engine settings (:func:`~furnace_trio.server.backend.build_engine`):
+
+- **edit**: "return this paragraph with one change" chat requests, one after another on
+  one stream, and the same at 16 concurrent streams;
+- **chat**: the benchmark chat prompts, one stream, and at 16 concurrent streams.
+
+Each round runs every workload with speculation off and then on, on a fresh engine over
+one runner (so the prefix cache starts empty for both), and the rounds repeat: A/B
+interleaved in one process, so the ratios hold on a shared machine where absolute figures
+do not. The greedy texts of off and on are compared (they must be identical).
+
+    python benchmarks/bench_speculative.py [--rounds 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import trio
+from _common import PROMPTS, machine
+
+from furnace_trio.core.params import SamplingParams
+from furnace_trio.engine import Delta, Engine, GenerationRequest
+from furnace_trio.engine.model_thread import ModelThread
+from furnace_trio.loading.loader import LoadedModel, load_model
+from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
+from furnace_trio.server.backend import build_engine
+from furnace_trio.server.config import ServerConfig
+
+METHODS = ("off", "ngram")
+
+PARAGRAPHS = (
+    (
+        "The museum opens at nine in the morning and closes at six in the evening. Visitors "
+        "can buy tickets at the entrance or online, and children under twelve enter for free. "
+        "Guided tours leave every hour from the main hall, and the cafe on the second floor "
+        "serves lunch until three.",
+        "'nine' to 'ten'",
+    ),
+    (
+        "Our team meets every Monday to plan the week. Each person shares what they finished, "
+        "what they are working on, and anything that blocks them. The meeting lasts thirty "
+        "minutes, and notes are posted in the shared folder by noon.",
+        "'Monday' to 'Tuesday'",
+    ),
+    (
+        "To make the bread, mix the flour, water, salt and yeast in a large bowl. Knead the "
+        "dough for ten minutes, then let it rise for two hours in a warm place. Shape the loaf, "
+        "let it rise again, and bake it for forty minutes until the crust is golden.",
+        "'forty' to 'forty-five'",
+    ),
+    (
+        "The library lends books for three weeks. Members can renew a book twice online unless "
+        "another member has reserved it. Late returns cost ten cents a day, and lost books must "
+        "be replaced or paid for at the front desk.",
+        "'three weeks' to 'two weeks'",
+    ),
+)
+
+
+def edit_messages() -> list[list[dict[str, str]]]:
+    """The edit requests: a phrasing that the default model answers by copying the
+    paragraph (other phrasings make it paraphrase)."""
+    return [
+        [
+            {
+                "role": "user",
+                "content": f"Proofread this paragraph and return it with {change}. "
+                f"Keep every other word the same.\n\n{p}",
+            }
+        ]
+        for p, change in PARAGRAPHS
+    ]
+
+
+def chat_messages() -> list[list[dict[str, str]]]:
+    return [[{"role": "user", "content": p}] for p in PROMPTS]
+
+
+@dataclass
+class Run:
+    tokens: int
+    seconds: float
+    steps: int
+    drafted: int
+    accepted: int
+    texts: dict[int, list[int]]
+
+
+async def run_workload(
+    engine: Engine, prompts: list[tuple[int, ...]], streams: int, max_tokens: int
+) -> Run:
+    """Every prompt once, ``streams`` at a time (closed loop), greedy."""
+    texts: dict[int, list[int]] = {}
+    queue = list(range(len(prompts)))
+
+    async def worker() -> None:
+        while queue:
+            i = queue.pop(0)
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+            out = texts.setdefault(i, [])
+            async with engine.submit(GenerationRequest(prompts[i], params)) as stream:
+                async for event in stream:
+                    if isinstance(event, Delta):
+                        out.extend(event.token_ids)
+
+    before = engine.statistics()
+    start = time.perf_counter()
+    async with trio.open_nursery() as workers:
+        for _ in range(streams):
+            workers.start_soon(worker)
+    seconds = time.perf_counter() - start
+    after = engine.statistics()
+    return Run(
+        sum(len(t) for t in texts.values()),
+        seconds,
+        after.steps_total - before.steps_total,
+        after.spec_drafted_tokens_total - before.spec_drafted_tokens_total,
+        after.spec_accepted_tokens_total - before.spec_accepted_tokens_total,
+        texts,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one round, fewer prompts")
+    parser.add_argument("--tokens", type=int, default=16, help="FURNACE_SPECULATIVE_TOKENS")
+    parser.add_argument("--only", default="", help="run the workloads whose name has this")
+    args = parser.parse_args()
+    rounds = 1 if args.quick else args.rounds
+
+    loaded: LoadedModel = load_model(None)
+    settings = RunnerConfig(device="cpu", quantization="auto", kv_cache_bytes=256 << 20)
+    tok = loaded.tokenizer
+    # One engine per method, each with a runner (KV cache) and model thread of its own
+    # (an engine's model thread ends with it), both alive for the whole run.
+    engines: dict[str, Engine] = {}
+    for method in METHODS:
+        thread = ModelThread()
+        runner = thread.call(ModelRunner.from_loaded, loaded, settings)
+        config = ServerConfig(speculative=method, speculative_tokens=args.tokens)
+        engines[method] = build_engine(runner, tok, config, "cpu", thread)
+
+    def ids(messages: list[dict[str, str]]) -> tuple[int, ...]:
+        return tuple(tok.encode(tok.apply_chat_template(messages), add_special_tokens=False))
+
+    edits = [ids(m) for m in edit_messages()]
+    chats = [ids(m) for m in chat_messages()]
+    if args.quick:
+        chats = chats[:4]
+    workloads = {
+        "edit, 1 stream": (edits, 1, 256),
+        "chat, 1 stream": (chats[:8], 1, 128),
+        "edit, 16 streams": (edits * 4, 16, 256),
+        "chat, 16 streams": (chats[:16] if not args.quick else chats * 4, 16, 128),
+    }
+    workloads = {name: w for name, w in workloads.items() if args.only in name}
+    totals: dict[tuple[str, str], list[Run]] = defaultdict(list)
+
+    async def measure() -> None:
+        async with trio.open_nursery() as nursery:
+            for engine in engines.values():
+                await nursery.start(engine.run)
+            for r in range(rounds):
+                for name, (prompts, streams, max_tokens) in workloads.items():
+                    for method, engine in engines.items():
+                        run = await run_workload(engine, prompts, streams, max_tokens)
+                        totals[(name, method)].append(run)
+                        print(
+                            f"round {r + 1} {name} {method}: {run.tokens} tokens "
+                            f"{run.tokens / run.seconds:.1f} tok/s, {run.steps} steps",
+                            flush=True,
+                        )
+            for engine in engines.values():
+                engine.shutdown()
+
+    gc.collect()
+    gc.freeze()
+    trio.run(measure)
+    print(f"\n{machine()}, {rounds} round(s) interleaved off/on\n")
+    print(
+        "| workload | off tok/s | ngram tok/s | ratio | tokens/step off -> on | accepted | same text |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name in workloads:
+        off, on = totals[(name, "off")], totals[(name, "ngram")]
+        rate = [sum(x.tokens for x in runs) / sum(x.seconds for x in runs) for runs in (off, on)]
+        per_step = [sum(x.tokens for x in runs) / sum(x.steps for x in runs) for runs in (off, on)]
+        drafted = sum(x.drafted for x in on)
+        accepted = sum(x.accepted for x in on)
+        same = all(a.texts == b.texts for a, b in zip(off, on, strict=True))
+        share = f"{accepted}/{drafted}" if drafted else "-"
+        print(
+            f"| {name} | {rate[0]:.1f} | {rate[1]:.1f} | {rate[1] / rate[0]:.2f}x | "
+            f"{per_step[0]:.2f} -> {per_step[1]:.2f} | {share} | {'yes' if same else 'NO'} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
