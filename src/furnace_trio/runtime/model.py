@@ -37,6 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from furnace_trio.loading.model_config import ModelConfig
 from furnace_trio.runtime import native
 from furnace_trio.runtime.embedding import Embedding
+from furnace_trio.runtime.moe import SparseMoE
 from furnace_trio.runtime.quant import NativeLinear
 
 
@@ -439,6 +440,8 @@ def rope_inv_freq(config: ModelConfig, *, local: bool = False) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if not local and config.rope_linear_factor != 1.0:
         inv_freq = inv_freq / config.rope_linear_factor
+    if config.longrope is not None:  # Phi-3's per-frequency divisors, every layer
+        inv_freq = inv_freq / torch.tensor(config.longrope.factors, dtype=torch.float64)
     scaling = config.rope_scaling
     if scaling is None or local:
         return inv_freq.float()
@@ -701,7 +704,10 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(
                 weights.tensor(f"{prefix}.pre_feedforward_layernorm.weight"), eps
             )
-        self.mlp = MLP(config, weights, prefix)
+        # A mixture of experts where the config has one (runtime/moe.py).
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(config, weights, prefix) if config.sparse(i) else MLP(config, weights, prefix)
+        )
         if config.sandwich_norms:
             self.post_feedforward_layernorm = RMSNorm(
                 weights.tensor(f"{prefix}.post_feedforward_layernorm.weight"), eps
@@ -796,6 +802,7 @@ class Transformer(nn.Module):
             or c.embedding_multiplier != 1.0
             or c.final_logit_softcapping is not None
             or any(c.sliding_layers)
+            or c.moe is not None
         )
         self.kernels = kernels if fused and self.embed_tokens.dtype == torch.float32 else None
         self._layer_ptrs = None
@@ -949,10 +956,11 @@ class Transformer(nn.Module):
         at = torch.arange(size, dtype=torch.float32, device=inv_freq.device)
         freqs = at[:, None] * inv_freq[None, :]
         sin_half = freqs.sin()
-        return (
-            torch.cat((freqs, freqs), dim=-1).cos(),
-            torch.cat((-sin_half, sin_half), dim=-1),
-        )
+        cos, sin = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-sin_half, sin_half), dim=-1)
+        if self.config.longrope is not None:  # LongRoPE scales queries and keys
+            factor = self.config.longrope.attention_factor
+            cos, sin = cos * factor, sin * factor
+        return cos, sin
 
     def _rotary(
         self, positions: torch.Tensor, end: int, *, local: bool = False
