@@ -111,6 +111,9 @@ class EngineStatistics:
     #: Aborted while queued: the client left before admission (the log's 499s among them).
     requests_cancelled_before_admission_total: int = 0
     steps_total: int = 0  # model steps run (a failed step and its re-runs count once)
+    #: Tokens a mixture-of-experts model routed to each expert, one tuple per layer (empty
+    #: for dense layers; empty altogether for a dense model or a runner that does not say).
+    expert_tokens: tuple[tuple[int, ...], ...] = ()
 
     @property
     def idle(self) -> bool:
@@ -174,6 +177,7 @@ class EngineMetrics:
         turns_open: int = 0,
         requests_paused: int = 0,
         steps_total: int = 0,
+        expert_tokens: tuple[tuple[int, ...], ...] = (),
     ) -> EngineStatistics:
         return EngineStatistics(
             running=running,
@@ -204,4 +208,5 @@ class EngineMetrics:
             pauses_total=self.pauses_total,
             requests_cancelled_before_admission_total=self.cancelled_before_admission,
             steps_total=steps_total,
+            expert_tokens=expert_tokens,
         )

@@ -236,6 +236,8 @@ class ModelRunner:
             self.cache.copy_blocks(plan.block_copies)
             if not plan.chunks:
                 return []
+            if self._experts is not None:
+                self._experts.discard()  # a failed step's partial counts (it runs again)
             logits = None
             graphs = self.graphs
             if graphs is not None and graphs.accepts(plan) and not _scores(plan):
@@ -348,6 +350,8 @@ class ModelRunner:
                 every = torch.arange(len(ids), dtype=torch.int64, device=self.device)
                 inputs = dataclasses.replace(inputs, logit_rows=every)
                 out.append(self.model(inputs, self.cache))
+            if self._experts is not None:
+                self._experts.discard()
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def _forward(self, plan: StepPlan, *, all_rows: bool = False) -> torch.Tensor:
