@@ -393,6 +393,7 @@ class Engine:
             requests_paused=self._scheduler.num_paused,
             steps_total=self._steps.total,
             pacing=None if self._pacer is None else self._pacer.status(),
+            expert_tokens=_expert_tokens(self._runner),
         )
 
     # -- submission -----------------------------------------------------------------------
@@ -531,3 +532,11 @@ class Engine:
             except Exception:
                 logger.exception("Failing request %s failed", request_id)
         self._outbox.close_all()
+
+
+def _expert_tokens(runner: StepRunner) -> tuple[tuple[int, ...], ...]:
+    """The runner's tokens per expert where it counts them (an optional ``expert_tokens()``:
+    the model runner of a mixture of experts; plain tuples of ints, read from the last
+    step's host copy, so calling it here while a step runs is safe)."""
+    counts = getattr(runner, "expert_tokens", None)
+    return counts() if callable(counts) else ()

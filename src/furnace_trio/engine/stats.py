@@ -127,6 +127,9 @@ class EngineStatistics:
     spec_tokens_per_step: HistogramSnapshot = field(
         default_factory=lambda: _empty(STEP_TOKEN_BUCKETS)
     )
+    #: Tokens a mixture-of-experts model routed to each expert, one tuple per layer (empty
+    #: for dense layers; empty altogether for a dense model or a runner that does not say).
+    expert_tokens: tuple[tuple[int, ...], ...] = ()
 
     @property
     def idle(self) -> bool:
@@ -195,6 +198,7 @@ class EngineMetrics:
         requests_paused: int = 0,
         steps_total: int = 0,
         pacing: PacingStatus | None = None,
+        expert_tokens: tuple[tuple[int, ...], ...] = (),
     ) -> EngineStatistics:
         return EngineStatistics(
             running=running,
@@ -230,4 +234,5 @@ class EngineMetrics:
             spec_accepted_tokens_total=self.spec_accepted_tokens_total,
             spec_acceptance=self.spec_acceptance.snapshot(),
             spec_tokens_per_step=self.spec_tokens_per_step.snapshot(),
+            expert_tokens=expert_tokens,
         )

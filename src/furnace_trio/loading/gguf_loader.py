@@ -9,8 +9,11 @@ supported) when the runtime builds that weight.
 llama.cpp's converter permutes the rows of ``q_proj``/``k_proj`` (and their biases) for the
 ``llama`` architecture, to turn Hugging Face's "rotate half" RoPE layout into GGML's
 interleaved one; the records of those tensors undo it on every read, so the weights are
-interchangeable with :func:`furnace_trio.loading.hf_loader.load_hf_directory`'s. Qwen2/Qwen3
-and Gemma 3 GGUFs are not permuted. Gemma 3's converter writes its RMSNorm weights with the
+interchangeable with :func:`furnace_trio.loading.hf_loader.load_hf_directory`'s (Mixtral's
+GGUF is a ``llama`` one with experts). Qwen2/Qwen3 (and their MoE), Phi-3 and Gemma 3 GGUFs
+are not permuted. Phi-3's fused ``attn_qkv`` and ``ffn_up`` (gate and up) and the experts
+stacked per layer are split into records under the runtime's names
+(:mod:`~furnace_trio.loading.phi3`, :mod:`~furnace_trio.loading.moe`). Gemma 3's converter writes its RMSNorm weights with the
 one added (the multiplier itself), which is the convention of every loader's output.
 """
 
@@ -31,6 +34,8 @@ from furnace_trio.loading.model_config import (
     UnsupportedModelError,
     gemma3_sliding_layers,
 )
+from furnace_trio.loading.moe import gguf_moe, gguf_moe_records, moe_weight_names
+from furnace_trio.loading.phi3 import gguf_phi3_fields, split_fused
 from furnace_trio.loading.tensors import LazyWeights, MappedFile, TensorRecord, to_float
 
 __all__ = ["GGUFContents", "GGUFTensorInfo", "load_gguf", "read_gguf"]
@@ -44,7 +49,14 @@ _ARCHITECTURES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gemma3": "gemma3",
+    "phi3": "phi3",
+    "qwen2moe": "qwen2moe",
+    "qwen3moe": "qwen3moe",
 }
+# Rope tensors that become config (LongRoPE's factor sets, llama3's divisors), not weights.
+_ROPE_TENSORS = frozenset(
+    {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+)
 # Architectures whose converter permutes Q/K rows (llama.cpp ``LlamaModel.permute``).
 _PERMUTED_ARCHITECTURES = frozenset({"llama", "mistral"})
 # llama.cpp's default when a llama3 GGUF stores rope_freqs without the original context.
@@ -103,7 +115,11 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, LazyWeights]:
 
     records: dict[str, TensorRecord] = {}
     for info in contents.tensors:
-        if info.name == "rope_freqs.weight":
+        if info.name in _ROPE_TENSORS:
+            continue
+        split = _split_record(info, file, config)
+        if split is not None:
+            records.update(split)
             continue
         hf_name = _hf_name(
             info.name, _GEMMA3_BLOCK_NAMES if config.sandwich_norms else _BLOCK_NAMES
@@ -116,6 +132,23 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, LazyWeights]:
     weights = LazyWeights(records)
     _check_complete(weights, config, contents.path)
     return config, weights
+
+
+def _split_record(
+    info: GGUFTensorInfo, file: MappedFile, config: ModelConfig
+) -> dict[str, TensorRecord] | None:
+    """The records of a tensor that is several of the runtime's (Phi-3's fused projections,
+    stacked experts) or named for the experts; ``None`` for any other tensor."""
+    parts = info.name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[3] != "weight":
+        return None
+    record = TensorRecord(info.name, info.shape, info.qtype, file, info.offset, info.n_bytes)
+    prefix = f"model.layers.{parts[1]}"
+    if config.architecture == "phi3" and parts[2] in ("attn_qkv", "ffn_up"):
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        kind = "qkv" if parts[2] == "attn_qkv" else "gate_up"
+        return split_fused(record, prefix, kind, (q, kv, kv), config.intermediate_size)
+    return gguf_moe_records(parts[1], parts[2], record, config.moe)
 
 
 def _dequantize(data: np.ndarray | MappedFile, info: GGUFTensorInfo) -> np.ndarray:
@@ -175,28 +208,56 @@ def _config_from_metadata(
             embed.shape[0],
         )
         vocab_size = embed.shape[0]
+    layers = int(get("block_count"))
+    context = int(get("context_length"))
+    extra: dict[str, Any] = {}
+    if gguf_arch == "gemma3":
+        extra = _gemma3_fields(contents, hidden, num_heads)
+    elif gguf_arch == "phi3":
+        rope = {
+            name: TensorRecord(
+                name,
+                by_name[name].shape,
+                by_name[name].qtype,
+                data,
+                by_name[name].offset,
+                by_name[name].n_bytes,
+            )
+            for name in ("rope_factors_long.weight", "rope_factors_short.weight")
+            if name in by_name
+        }
+        extra = gguf_phi3_fields(meta, rope, layers, context)
+    sparse = [f"blk.{i}.ffn_gate_inp.weight" in by_name for i in range(layers)]
+    moe = gguf_moe(meta, gguf_arch, layers, sparse, int(get("feed_forward_length")))
+    if moe is not None:
+        extra["moe"] = moe
+    architecture = _ARCHITECTURES[gguf_arch]
+    if gguf_arch == "llama" and moe is not None:
+        architecture = "mixtral"
     head_count_kv = get("attention.head_count_kv", num_heads)
     if isinstance(head_count_kv, list):  # per-layer lists exist in some GGUFs
         if len(set(head_count_kv)) != 1:
             raise UnsupportedModelError(f"{contents.path.name}: per-layer kv head counts")
         head_count_kv = head_count_kv[0]
     return ModelConfig(
-        architecture=_ARCHITECTURES[gguf_arch],
+        architecture=architecture,
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=layers,
         num_heads=num_heads,
         num_kv_heads=int(head_count_kv),
         head_dim=int(get("attention.key_length", hidden // num_heads)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(get("context_length")),
+        max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in by_name,
         attention_bias="blk.0.attn_q.bias" in by_name,
         qk_norm="blk.0.attn_q_norm.weight" in by_name,
-        rope_scaling=None if gguf_arch == "gemma3" else _rope_scaling(contents, by_name, data),
-        **(_gemma3_fields(contents, hidden, num_heads) if gguf_arch == "gemma3" else {}),
+        rope_scaling=None
+        if gguf_arch in ("gemma3", "phi3")
+        else _rope_scaling(contents, by_name, data),
+        **extra,
     )
 
 
@@ -311,17 +372,13 @@ def _check_complete(weights: Mapping[str, Any], config: ModelConfig, path: Path)
     if config.qk_norm:
         norms += ["self_attn.q_norm", "self_attn.k_norm"]
     for i in range(config.num_layers):
-        for part in (
-            *norms,
-            "self_attn.o_proj",
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-            "mlp.down_proj",
-        ):
+        attention = ("self_attn.o_proj", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        for part in (*norms, *attention):
             needed.append(f"model.layers.{i}.{part}.weight")
+        if config.moe is not None and config.sparse(i):
+            needed += moe_weight_names(f"model.layers.{i}", config.moe)
+        else:
+            needed += [f"model.layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     missing = [name for name in needed if name not in weights]
     if missing:
         raise UnsupportedModelError(f"{path.name}: missing tensors {missing[:5]}")

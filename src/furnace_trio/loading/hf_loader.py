@@ -1,7 +1,10 @@
 """Load a Hugging Face model directory: ``config.json`` + safetensors -> config, weights.
 
 Accepted: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM`` and ``Gemma3ForCausalLM`` (text-only, ``gemma3_text``) checkpoints, in one ``model.safetensors`` or sharded through
+``Qwen3ForCausalLM``, ``Gemma3ForCausalLM`` (text-only, ``gemma3_text``),
+``Phi3ForCausalLM`` (see :mod:`~furnace_trio.loading.phi3`), and the mixtures of experts
+``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` and ``Qwen3MoeForCausalLM`` (see
+:mod:`~furnace_trio.loading.moe`) checkpoints, in one ``model.safetensors`` or sharded through
 ``model.safetensors.index.json``. Weights come back as records over the memory-mapped
 files (:class:`~furnace_trio.loading.tensors.LazyWeights`, float32 when looked up) under
 their own (already Hugging Face Llama) names; a tied checkpoint has no ``lm_head.weight``,
@@ -32,7 +35,10 @@ from furnace_trio.loading.model_config import (
     RopeScaling,
     UnsupportedModelError,
     gemma3_sliding_layers,
+    sliding_all,
 )
+from furnace_trio.loading.moe import hf_moe, hf_moe_records
+from furnace_trio.loading.phi3 import hf_phi3_fields, split_fused
 from furnace_trio.loading.tensors import LazyWeights, MappedFile, TensorRecord
 
 __all__ = ["load_hf_directory"]
@@ -45,6 +51,10 @@ _MODEL_TYPES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
+    "phi3": "phi3",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
 }
 _CLASS_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -52,6 +62,10 @@ _CLASS_TYPES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
 }
 # Hugging Face activation names -> ModelConfig.hidden_activation.
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -89,11 +103,33 @@ def load_hf_directory(path: str | Path) -> tuple[ModelConfig, LazyWeights]:
             name: dataclasses.replace(r, shift=1.0) if name.endswith("norm.weight") else r
             for name, r in records.items()
         }
+    if config.architecture == "phi3":
+        records = _split_phi3(records, config)
+    if config.moe is not None:
+        records = hf_moe_records(records, config.moe)
     if config.tie_word_embeddings:
         records.pop("lm_head.weight", None)
     elif "lm_head.weight" not in records:
         raise UnsupportedModelError(f"{directory}: untied embeddings but no lm_head.weight")
     return config, LazyWeights(records)
+
+
+def _split_phi3(records: dict[str, TensorRecord], config: ModelConfig) -> dict[str, TensorRecord]:
+    """Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` as Llama's separate projections."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    out: dict[str, TensorRecord] = {}
+    for name, record in records.items():
+        for fused, kind in (
+            (".self_attn.qkv_proj.weight", "qkv"),
+            (".mlp.gate_up_proj.weight", "gate_up"),
+        ):
+            if name.endswith(fused):
+                prefix = name.removesuffix(fused)
+                out.update(split_fused(record, prefix, kind, (q, kv, kv), config.intermediate_size))
+                break
+        else:
+            out[name] = record
+    return out
 
 
 def _safetensors_records(path: Path) -> dict[str, TensorRecord]:
@@ -139,9 +175,17 @@ def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:
     num_heads = int(raw["num_attention_heads"])
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     head_dim = raw.get("head_dim") or hidden // num_heads
-    gemma = _gemma3_fields(raw, rope) if arch == "gemma3" else {}
-    if gemma:
+    extra = _gemma3_fields(raw, rope) if arch == "gemma3" else {}
+    if extra:
         rope = rope.get("full_attention", rope)
+    if arch == "phi3":
+        extra = hf_phi3_fields(raw, rope)
+    if arch in ("mixtral", "qwen2moe", "qwen3moe"):
+        extra = {"moe": hf_moe(arch, raw)}
+    if arch == "mixtral":
+        layers = int(raw["num_hidden_layers"])
+        context = int(raw.get("max_position_embeddings", 2048))
+        extra.update(sliding_all(raw.get("sliding_window"), context, layers))
     return ModelConfig(
         architecture=arch,
         vocab_size=int(raw["vocab_size"]),
@@ -155,10 +199,10 @@ def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:
         rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == "gemma3")),
-        attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=arch in ("qwen3", "gemma3"),
-        rope_scaling=None if gemma else _rope_scaling(rope),
-        **gemma,
+        attention_bias=arch in ("qwen2", "qwen2moe") or bool(raw.get("attention_bias", False)),
+        qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
+        rope_scaling=None if arch in ("gemma3", "phi3") else _rope_scaling(rope),
+        **extra,
     )
 
 

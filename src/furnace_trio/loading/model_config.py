@@ -1,17 +1,30 @@
 """The architecture description every loader produces and the model runtime consumes.
 
-One frozen record for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) and
-Gemma 3: the variations are flags (``attention_bias`` for Qwen2's qkv bias, ``qk_norm`` for
-Qwen3's and Gemma 3's per-head RMSNorm), an optional llama3 rope scaling, and Gemma 3's
-differences (see :class:`ModelConfig`), not subclasses.
+One frozen record for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2), Gemma 3,
+Phi-3 and the mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE): the variations
+are flags (``attention_bias`` for Qwen2's qkv bias, ``qk_norm`` for Qwen3's and Gemma 3's
+per-head RMSNorm), an optional llama3 or LongRoPE rope scaling, Gemma 3's differences and
+the experts (see :class:`ModelConfig` and :class:`MoE`), not subclasses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "phi3",
+    "mixtral",
+    "qwen2moe",
+    "qwen3moe",
+)
 #: Activations of the gated MLP: SiLU (Llama), GELU with the tanh approximation (Gemma).
 HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -28,6 +41,52 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class LongRope:
+    """Phi-3's LongRoPE (``rope_type: longrope``, formerly ``su``): one divisor per rotary
+    frequency, ``short_factor`` for contexts up to ``original_max_position_embeddings`` and
+    ``long_factor`` beyond, and cos/sin multiplied by ``attention_factor``.
+
+    ``long`` says which set is in use. A served context is one size for every sequence
+    (the KV cache keeps keys rotated once), so the choice is made per server, as llama.cpp
+    makes it per context: long factors when the served context exceeds the original one
+    (:func:`fit_context`)."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+    long: bool = True
+
+    @property
+    def factors(self) -> tuple[float, ...]:
+        return self.long_factor if self.long else self.short_factor
+
+
+@dataclass(frozen=True, slots=True)
+class MoE:
+    """A sparse mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+    A router (``mlp.gate``) scores ``num_experts`` experts per token; the ``top_k`` best by
+    softmax probability run, their outputs weighted by those probabilities, renormalized
+    to sum to one when ``norm_topk_prob`` (Mixtral, Qwen3-MoE; not Qwen2-MoE). Each expert
+    is a gated SiLU MLP of ``intermediate_size``. ``shared_intermediate_size`` > 0: a
+    shared expert that every token runs (Qwen2-MoE), scaled by ``sigmoid`` of its own
+    one-output gate. ``layers``: which layers are sparse (the others keep the dense MLP of
+    :attr:`ModelConfig.intermediate_size`); empty means all.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_intermediate_size: int = 0
+    layers: tuple[bool, ...] = ()
+
+    def sparse(self, layer: int) -> bool:
+        return not self.layers or self.layers[layer]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +112,11 @@ class ModelConfig:
     - ``rope_linear_factor``: linear rope scaling of the global layers (positions divided
       by it; Gemma 3 4B and larger).
     - ``final_logit_softcapping``: logits become ``c * tanh(logits / c)``.
+
+    Phi-3 is Llama's pass with LongRoPE (``longrope``) and, where its window is shorter
+    than its context, every layer sliding; its fused ``qkv_proj`` and ``gate_up_proj``
+    are split into Llama's names by the loaders. ``moe``: the experts of a
+    mixture-of-experts model (:class:`MoE`).
     """
 
     architecture: str
@@ -79,6 +143,8 @@ class ModelConfig:
     rope_local_theta: float | None = None
     rope_linear_factor: float = 1.0
     final_logit_softcapping: float | None = None
+    longrope: LongRope | None = None
+    moe: MoE | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -102,6 +168,27 @@ class ModelConfig:
             )
         if any(self.sliding_layers) and (self.sliding_window is None or self.sliding_window < 1):
             raise UnsupportedModelError("sliding-window layers without a positive window")
+        if self.longrope is not None:
+            half = self.head_dim // 2
+            if len(self.longrope.short_factor) != half or len(self.longrope.long_factor) != half:
+                raise UnsupportedModelError(
+                    f"LongRoPE needs {half} factors per set (head_dim / 2), got "
+                    f"{len(self.longrope.short_factor)} and {len(self.longrope.long_factor)}"
+                )
+        moe = self.moe
+        if moe is not None:
+            if not 0 < moe.top_k <= moe.num_experts:
+                raise UnsupportedModelError(
+                    f"{moe.top_k} experts per token out of {moe.num_experts}"
+                )
+            if moe.layers and len(moe.layers) != self.num_layers:
+                raise UnsupportedModelError(
+                    f"{len(moe.layers)} sparse-layer flags for {self.num_layers} layers"
+                )
+
+    def sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s feed-forward is a mixture of experts."""
+        return self.moe is not None and self.moe.sparse(layer)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (``None``: it sees the whole context)."""
@@ -121,3 +208,22 @@ def gemma3_sliding_layers(num_layers: int, pattern: int) -> tuple[bool, ...]:
     """Which layers slide in Gemma 3's pattern: every ``pattern``-th layer (the last of
     each group, as llama.cpp's ``set_swa_pattern``) sees everything, the others slide."""
     return tuple(pattern == 0 or i % pattern < pattern - 1 for i in range(num_layers))
+
+
+def fit_context(config: ModelConfig, context: int) -> ModelConfig:
+    """``config`` as served with a context of ``context`` tokens: LongRoPE's long factors
+    when it exceeds the original context, else the short ones (see :class:`LongRope`)."""
+    rope = config.longrope
+    if rope is None:
+        return config
+    long = context > rope.original_max_position_embeddings
+    return dataclasses.replace(config, longrope=dataclasses.replace(rope, long=long))
+
+
+def sliding_all(window: int | None, context: int, num_layers: int) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields of a model whose every layer slides with ``window``
+    (Phi-3, Mistral-style configs), as transformers applies it; none when there is no
+    window or it covers the whole context."""
+    if not window or window >= context:
+        return {}
+    return {"sliding_window": int(window), "sliding_layers": (True,) * num_layers}

@@ -119,6 +119,33 @@ class TensorRecord:
     def quantized(self) -> bool:
         return self.ggml_type not in FLOAT_TYPES
 
+    def part(self, name: str, index: int, count: int) -> TensorRecord:
+        """Part ``index`` of a tensor stacked from ``count`` equal ones along its first
+        dimension (one expert of a ``[experts, out, in]`` tensor), under ``name``: the
+        part's own contiguous bytes of the file, read alone."""
+        if self.shape[0] != count:
+            raise UnsupportedModelError(f"{self.name}: {self.shape[0]} parts, expected {count}")
+        size = self.n_bytes // count
+        return TensorRecord(
+            name, self.shape[1:], self.ggml_type, self.file, self.offset + index * size, size
+        )
+
+    def rows_at(self, name: str, start: int, rows: int) -> TensorRecord:
+        """Rows ``start .. start + rows`` of this (2-D) tensor, under ``name``."""
+        if len(self.shape) != 2 or start < 0 or start + rows > self.shape[0]:
+            raise UnsupportedModelError(f"{self.name}: no rows {start}..{start + rows}")
+        if self.n_head is not None or self.shift:
+            raise UnsupportedModelError(f"{self.name}: a permuted or shifted tensor split")
+        row_bytes = self.n_bytes // self.shape[0]
+        return TensorRecord(
+            name,
+            (rows, self.shape[1]),
+            self.ggml_type,
+            self.file,
+            self.offset + start * row_bytes,
+            rows * row_bytes,
+        )
+
     def blocks(self) -> np.ndarray:
         """The stored bytes as rows, ``uint8 [shape[0], row_bytes]`` (a 1-D float tensor's
         rows are its elements, a 1-D quantized one is one row), in Hugging Face row order;

@@ -9,6 +9,7 @@ from furnace_trio.loading.model_config import ModelConfig
 from furnace_trio.runtime.attention import Attention
 from furnace_trio.runtime.kv_cache import LayerKV
 from furnace_trio.runtime.layers import MLP, RMSNorm, WeightSource
+from furnace_trio.runtime.moe import SparseMoE
 from furnace_trio.runtime.step_inputs import StepInputs
 
 
@@ -33,7 +34,10 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(
                 weights.tensor(f"{prefix}.pre_feedforward_layernorm.weight"), eps
             )
-        self.mlp = MLP(config, weights, prefix)
+        # A mixture of experts where the config has one (runtime/moe.py).
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(config, weights, prefix) if config.sparse(i) else MLP(config, weights, prefix)
+        )
         if config.sandwich_norms:
             self.post_feedforward_layernorm = RMSNorm(
                 weights.tensor(f"{prefix}.post_feedforward_layernorm.weight"), eps

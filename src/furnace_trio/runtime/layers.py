@@ -81,6 +81,8 @@ def rope_inv_freq(config: ModelConfig, *, local: bool = False) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if not local and config.rope_linear_factor != 1.0:
         inv_freq = inv_freq / config.rope_linear_factor
+    if config.longrope is not None:  # Phi-3's per-frequency divisors, every layer
+        inv_freq = inv_freq / torch.tensor(config.longrope.factors, dtype=torch.float64)
     scaling = config.rope_scaling
     if scaling is None or local:
         return inv_freq.float()

@@ -106,6 +106,7 @@ class Transformer(nn.Module):
             or c.embedding_multiplier != 1.0
             or c.final_logit_softcapping is not None
             or any(c.sliding_layers)
+            or c.moe is not None
         )
         self.kernels = kernels if fused and self.embed_tokens.dtype == torch.float32 else None
         self._fused = native_forward.FusedDecode(self.config)
@@ -222,10 +223,11 @@ class Transformer(nn.Module):
         at = torch.arange(size, dtype=torch.float32, device=inv_freq.device)
         freqs = at[:, None] * inv_freq[None, :]
         sin_half = freqs.sin()
-        return (
-            torch.cat((freqs, freqs), dim=-1).cos(),
-            torch.cat((-sin_half, sin_half), dim=-1),
-        )
+        cos, sin = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-sin_half, sin_half), dim=-1)
+        if self.config.longrope is not None:  # LongRoPE scales queries and keys
+            factor = self.config.longrope.attention_factor
+            cos, sin = cos * factor, sin * factor
+        return cos, sin
 
     def _rotary(
         self, positions: torch.Tensor, end: int, *, local: bool = False

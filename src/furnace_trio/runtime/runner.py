@@ -1,7 +1,7 @@
 """The model runner: executes an immutable :class:`~furnace_trio.core.plan.StepPlan`.
 
 It owns the torch side of serving: the :class:`~furnace_trio.runtime.model.Transformer`, the paged
-:class:`~furnace_trio.runtime.model.KVCache`, and the per-sequence sampler generators. It never
+:class:`~furnace_trio.runtime.kv_cache.KVCache`, and the per-sequence sampler generators. It never
 decides what to schedule; the engine calls :meth:`ModelRunner.step` on a worker thread.
 
 Thread-local torch state (inference mode, the CUDA device) is set inside every call, since
@@ -20,12 +20,13 @@ import torch
 
 from furnace_trio.core.plan import ChunkPlan, SampledToken, SampleSpec, StepPlan
 from furnace_trio.loading.loader import LoadedModel
-from furnace_trio.loading.model_config import ModelConfig
+from furnace_trio.loading.model_config import ModelConfig, fit_context
 from furnace_trio.runtime import native
 from furnace_trio.runtime.build import WeightBuilder
 from furnace_trio.runtime.cuda_graphs import DecodeGraphs
 from furnace_trio.runtime.kv_cache import KVCache
 from furnace_trio.runtime.model import Transformer
+from furnace_trio.runtime.moe import ExpertCounter
 from furnace_trio.runtime.native.config import DEFAULT_NATIVE_CONFIG, NativeConfig
 from furnace_trio.runtime.quant import resolve_quantization
 from furnace_trio.runtime.sampling import GeneratorStore, sample, token_logprobs
@@ -109,6 +110,9 @@ class ModelRunner:
         tensor at a time, or a mapping of float tensors) and allocate the KV cache."""
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
+        limit = config.max_position_embeddings
+        self._max_context = min(settings.max_context or limit, limit)
+        config = fit_context(config, self._max_context)  # LongRoPE's factors for it
         self.config = config
         mode = resolve_quantization(settings.quantization, self.device)
         if mode != "none" and self.dtype != torch.float32:
@@ -125,6 +129,8 @@ class ModelRunner:
         )
         self.model = Transformer(config, builder).eval()
         builder.finish()
+        # Tokens per expert of a mixture of experts (None for dense models).
+        self._experts = ExpertCounter.attach(self.model)
         # What the linear layers run: none, int8, or q4 (some or all in 4-bit groups).
         self.quantization = "none" if mode == "none" else "int8"
         if mode != "none":
@@ -168,7 +174,8 @@ class ModelRunner:
         graphs = settings.cuda_graphs
         if graphs is None:
             graphs = self.device.type == "cuda"
-        graphs = graphs and kernels is None
+        # Routing reads its counts on the host every layer: never inside a graph.
+        graphs = graphs and kernels is None and config.moe is None
         # With graphs, one block more than the engine gets: the padding rows' scratch block.
         self._num_blocks = num_blocks
         self.cache = KVCache(
@@ -178,8 +185,6 @@ class ModelRunner:
             dtype=self.kv_dtype,
             device=self.device,
         )
-        limit = config.max_position_embeddings
-        self._max_context = min(settings.max_context or limit, limit)
         self.graphs: DecodeGraphs | None = None
         if graphs:
             self.graphs = DecodeGraphs(
@@ -233,12 +238,16 @@ class ModelRunner:
             self.cache.copy_blocks(plan.block_copies)
             if not plan.chunks:
                 return []
+            if self._experts is not None:
+                self._experts.discard()  # a failed step's partial counts (it runs again)
             logits = None
             graphs = self.graphs
             if graphs is not None and graphs.accepts(plan) and not _scores(plan):
                 logits = graphs.run(plan)
             if logits is None:
                 logits = self._forward(plan)
+            if self._experts is not None:
+                self._experts.collect()
             specs: list[SampleSpec] = []
             rows: list[int] = []
             row = 0
@@ -311,7 +320,16 @@ class ModelRunner:
         """Next-token logits after every chunk of ``plan``, no sampling (tests, benchmarks)."""
         with torch.inference_mode():
             self.cache.copy_blocks(plan.block_copies)
-            return self._forward(plan, all_rows=True)
+            logits = self._forward(plan, all_rows=True)
+            if self._experts is not None:
+                self._experts.discard()  # counts are of served steps only
+            return logits
+
+    def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
+        """Tokens routed to each expert of each layer by the steps served so far (one tuple
+        per layer, empty for dense layers; none at all for a dense model). Safe to call
+        from another thread while a step runs: it reads the last step's host copy."""
+        return () if self._experts is None else self._experts.snapshot()
 
     def prompt_logits(self, token_ids: Sequence[int], chunk: int | None = None) -> torch.Tensor:
         """Next-token logits at every position of one sequence, ``[len, vocab]`` float32.
@@ -338,6 +356,8 @@ class ModelRunner:
                 every = torch.arange(len(ids), dtype=torch.int64, device=self.device)
                 inputs = dataclasses.replace(inputs, logit_rows=every)
                 out.append(self.model(inputs, self.cache))
+            if self._experts is not None:
+                self._experts.discard()
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def _forward(self, plan: StepPlan, *, all_rows: bool = False) -> torch.Tensor:

@@ -96,6 +96,15 @@ def _pacing(lines: list[str], pacing: PacingStatus) -> None:
             _metric(lines, name, "gauge", help_text, value)
 
 
+def _expert_tokens(lines: list[str], counts: tuple[tuple[int, ...], ...]) -> None:
+    name = "furnace_expert_tokens_total"
+    lines.append(f"# HELP {name} Tokens routed to each expert of a mixture-of-experts layer.")
+    lines.append(f"# TYPE {name} counter")
+    for layer, row in enumerate(counts):
+        for expert, count in enumerate(row):
+            lines.append(f'{name}{{layer="{layer}",expert="{expert}"}} {count}')
+
+
 def render_metrics(
     stats: EngineStatistics | None, http_responses: Mapping[int, int], *, engine_up: bool
 ) -> str:
@@ -201,6 +210,8 @@ def render_metrics(
         )
         if stats.pacing is not None:
             _pacing(lines, stats.pacing)
+        if any(stats.expert_tokens):
+            _expert_tokens(lines, stats.expert_tokens)
         for attribute, name, help_text in _HISTOGRAMS:
             _histogram(lines, name, help_text, getattr(stats, attribute))
     lines.append("# HELP furnace_http_responses_total HTTP responses by status code.")

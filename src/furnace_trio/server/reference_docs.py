@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from furnace_trio.engine.pacing import StepPacer
 from furnace_trio.engine.stats import EngineStatistics
 from furnace_trio.server import api_reference
 from furnace_trio.server.api_keys import KeyUsage, render_key_metrics
@@ -118,11 +119,21 @@ in flight, are in [operations](operations.md#metrics).
 """
 
 
+def _every_family() -> EngineStatistics:
+    """Statistics under which ``/metrics`` writes every family: a pacer that measured
+    something, a mixture of experts that routed a token."""
+    pacer = StepPacer(0.05)
+    pacer.observe(0, 1, 0.01)
+    pacer.observe(16, 1, 0.02)
+    pacer.prefill_budget(1, 16)
+    return EngineStatistics(pacing=pacer.status(), expert_tokens=((1,),))
+
+
 def render_metrics_page() -> str:
     """The whole of ``docs/metrics.md``: every ``# HELP`` and ``# TYPE`` that ``/metrics``
-    writes (with empty statistics, so labelled series show as their bare names)."""
+    writes (labelled series show as their bare names)."""
     text = (
-        render_metrics(EngineStatistics(), {}, engine_up=True)
+        render_metrics(_every_family(), {}, engine_up=True)
         + render_fallback_metrics({})
         + render_key_metrics(KeyUsage())
         + render_config_generation(1)
