@@ -29,6 +29,9 @@ LOG_FORMATS: tuple[str, ...] = ("text", "json")
 #: Tool-call output formats (``auto``: from the model's chat template, see docs/tools.md).
 TOOL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3", "mistral")
 
+#: ``FURNACE_SESSION_STORE``: the URL schemes of the Redis client (Redis or Valkey).
+SESSION_STORE_SCHEMES: tuple[str, ...] = ("redis://", "rediss://", "unix://")
+
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 #: What a request may hold unsent before it pauses (``FURNACE_MAX_RESPONSE_BYTES``).
 DEFAULT_MAX_RESPONSE_BYTES = 1024 * 1024
@@ -81,6 +84,8 @@ class ServerConfig:
     session_ttl_s: float = 1800.0
     session_max_blocks: int | None = None
     max_sessions: int = 1024
+    # Sessions and stored responses shared by replicas (``redis://...``); None: in-process.
+    session_store: str | None = None
     prefix_cache: bool = True
     step_timeout_s: float = 120.0
     stream_interval: int = 1
@@ -141,6 +146,13 @@ class ServerConfig:
             raise ConfigError("max_sessions must be at least 1")
         if self.session_max_blocks is not None and self.session_max_blocks < 0:
             raise ConfigError("session_max_blocks must be >= 0")
+        if self.session_store is not None and not self.session_store.startswith(
+            SESSION_STORE_SCHEMES
+        ):
+            raise ConfigError(
+                "FURNACE_SESSION_STORE must be a URL starting with "
+                f"{' or '.join(SESSION_STORE_SCHEMES)}, got {self.session_store!r}"
+            )
         for name in (
             "kv_cache_mb",
             "max_context",
@@ -221,6 +233,7 @@ class ServerConfig:
             session_ttl_s=_positive_float(environ, "FURNACE_SESSION_TTL_S", defaults.session_ttl_s),
             session_max_blocks=integer("FURNACE_SESSION_MAX_BLOCKS"),
             max_sessions=integer("FURNACE_MAX_SESSIONS") or defaults.max_sessions,
+            session_store=text("FURNACE_SESSION_STORE"),
             prefix_cache=_flag(environ, "FURNACE_PREFIX_CACHE", defaults.prefix_cache),
             step_timeout_s=_positive_float(
                 environ, "FURNACE_STEP_TIMEOUT_S", defaults.step_timeout_s
