@@ -176,3 +176,42 @@ def fuzz(session: nox.Session) -> None:
     # hostile connections under load: Connection: close, HTTP/1.0, idle keep-alive, stalled
     # readers (docs/reliability.md)
     session.run("python", "-m", "tests.test_hostile_connections", "--rounds", "10")
+
+
+@nox.session
+def cluster(session: nox.Session) -> None:
+    """Two replicas of the default model, Redis and nginx on loopback from deploy/
+    (installs Debian's nginx and redis-server when missing, as root): session affinity,
+    failover, a rolling restart under load, a clean stop (tests/cluster). Prints a one-line
+    summary last."""
+    missing = [tool for tool in ("nginx", "redis-server") if shutil.which(tool) is None]
+    missing = [t for t in missing if not os.path.exists(f"/usr/sbin/{t}")]
+    if missing:
+        if os.geteuid() != 0:
+            session.error(
+                f"{', '.join(missing)} not found: sudo apt-get install nginx redis-server"
+            )
+        apt = {"DEBIAN_FRONTEND": "noninteractive"}
+        session.run("apt-get", "update", "-qq", external=True, env=apt)
+        session.run(
+            "apt-get", "install", "-y", "-qq", "nginx", "redis-server", external=True, env=apt
+        )
+    _install(session, "test", "cluster")
+    summary = os.path.join(session.create_tmp(), "cluster-summary.json")
+    session.run(
+        "pytest",
+        "-m",
+        "cluster",
+        "tests/cluster",
+        *session.posargs,
+        env={"CLUSTER_SUMMARY_FILE": summary},
+    )
+    import json
+
+    with open(summary) as f:
+        r = json.load(f)
+    session.log(
+        f"cluster: OK; TTFT normal turn {r['ttft_normal_s']} s, first turn after failover "
+        f"{r['ttft_failover_s']} s, next {r['ttft_after_failover_s']} s; rolling restart "
+        f"{r['rolling_requests']} streams, {r['rolling_lost']} lost; clean stop"
+    )

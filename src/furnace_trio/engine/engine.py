@@ -65,7 +65,13 @@ from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.engine.pacing import StepPacer
 from furnace_trio.engine.scheduler import FinishReason, ScheduledStep, Scheduler, StepMismatch
 from furnace_trio.engine.session_turns import SessionTurns
-from furnace_trio.engine.sessions import Session, SessionReply, SessionStore, Turn
+from furnace_trio.engine.sessions import (
+    Session,
+    SessionReply,
+    SessionStore,
+    SharedHistory,
+    Turn,
+)
 from furnace_trio.engine.stats import EngineMetrics, EngineStatistics
 from furnace_trio.engine.status import EngineStatus, StepRate, engine_status
 from furnace_trio.engine.stream import RequestStream, TokenText
@@ -261,6 +267,11 @@ class Engine:
         never awaits (safe in ``finally`` and under cancellation)."""
         self._turns.end(turn)
         self._changed.unpark_all()
+
+    def adopt_session(self, shared: SharedHistory) -> Session:
+        """Make a session of a history another replica kept (see
+        :meth:`SessionStore.adopt`); its next turn recomputes the KV."""
+        return self.sessions.adopt(shared, trio.current_time())
 
     def get_session(self, session_id: str, owner: str) -> Session:
         return self._turns.get(session_id, owner)

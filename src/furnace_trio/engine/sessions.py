@@ -66,6 +66,7 @@ __all__ = [
     "SessionNotFound",
     "SessionReply",
     "SessionStore",
+    "SharedHistory",
     "Turn",
     "TurnState",
     "turn_seed",
@@ -152,6 +153,35 @@ class SessionReply:
 
     message: Mapping[str, Any]
     text: str
+
+
+@dataclass(frozen=True, slots=True)
+class SharedHistory:
+    """What of a session outlives its replica (a shared store keeps it): everything but
+    the pinned KV. :meth:`of` takes it from a session, :meth:`SessionStore.adopt` makes a
+    session of it."""
+
+    session_id: str
+    owner: str
+    messages: tuple[Mapping[str, Any], ...]
+    prompt_messages: tuple[Mapping[str, Any], ...]
+    history_text: str
+    history_ids: tuple[int, ...]
+    rng_state: int
+    turns: int
+
+    @classmethod
+    def of(cls, session: Session) -> SharedHistory:
+        return cls(
+            session.session_id,
+            session.owner,
+            tuple(session.messages),
+            tuple(session.prompt_messages),
+            session.history_text,
+            session.history_ids,
+            session.rng_state,
+            session.turns,
+        )
 
 
 @dataclass(slots=True, eq=False)
@@ -277,6 +307,35 @@ class SessionStore:
         session.last_used = now
         self._sessions.move_to_end(session_id)
         return Turn(session, tuple(new_messages))
+
+    def adopt(self, shared: SharedHistory, now: float) -> Session:
+        """Replace (or create) a session with a history kept elsewhere (another replica's,
+        through a shared store): its messages, history ids, RNG state and turn count; no
+        pins (its KV is recomputed by the next turn, and cached by the prefix cache from
+        then on). :class:`SessionBusy` while a turn of the local copy runs."""
+        if not shared.session_id or len(shared.session_id) > 256:
+            raise ValueError("a session id has 1 to 256 characters")
+        self.expire(now)
+        old = self._sessions.get(shared.session_id)
+        if old is not None:
+            if old.busy:
+                raise SessionBusy(f"session {shared.session_id!r} has a turn in flight")
+            self._remove(old)
+        session = Session(
+            shared.session_id,
+            shared.owner,
+            created_at=now,
+            last_used=now,
+            messages=[dict(m) for m in shared.messages],
+            prompt_messages=[dict(m) for m in shared.prompt_messages],
+            history_text=shared.history_text,
+            history_ids=tuple(shared.history_ids),
+            rng_state=shared.rng_state,
+            turns=shared.turns,
+        )
+        self._sessions[shared.session_id] = session
+        self._trim_sessions()
+        return session
 
     def seed_for(self, turn: Turn, seed: int | None) -> int | None:
         """The seed the turn samples with (``None`` stays unseeded)."""

@@ -240,6 +240,15 @@ class ServerConfig:
             "Sessions kept; beyond it the least recently used idle one is dropped.",
         ),
     )
+    session_store: str | None = field(
+        default=None,
+        metadata=setting(
+            "FURNACE_SESSION_STORE",
+            "`redis://...` (or `rediss://`, `unix://`): sessions, turn locks and stored "
+            "responses shared by replicas behind a load balancer; unset, they live in this "
+            "process ([a replica cluster](deploy.md)).",
+        ),
+    )
     prefix_cache: bool = field(
         default=True,
         metadata=setting(

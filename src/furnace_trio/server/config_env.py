@@ -16,6 +16,7 @@ from furnace_trio.server.config_values import (
     LOG_FORMATS,
     LOG_LEVELS,
     QUANTIZATIONS,
+    SESSION_STORE_SCHEMES,
     SPECULATIVE_METHODS,
     TOOL_PARSERS,
     ConfigError,
@@ -113,6 +114,7 @@ def environment_values(environ: Mapping[str, str], defaults: ServerConfig) -> di
         allowed_hosts=names(environ, "FURNACE_ALLOWED_HOSTS", origins=False),
         cors_origins=names(environ, "FURNACE_CORS_ORIGINS", origins=True),
         config_file=text("FURNACE_CONFIG"),
+        session_store=text("FURNACE_SESSION_STORE"),
     )
 
 
@@ -159,6 +161,13 @@ def check_values(config: ServerConfig) -> None:
         raise ConfigError("session_ttl_s must be > 0")
     if not config.step_timeout_s > 0:
         raise ConfigError("step_timeout_s must be > 0")
+    if config.session_store is not None and not config.session_store.startswith(
+        SESSION_STORE_SCHEMES
+    ):
+        raise ConfigError(
+            "FURNACE_SESSION_STORE must be a URL starting with "
+            f"{' or '.join(SESSION_STORE_SCHEMES)}, got {config.session_store!r}"
+        )
     if config.speculative not in SPECULATIVE_METHODS:
         raise ConfigError(
             f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "

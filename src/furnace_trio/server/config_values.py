@@ -22,6 +22,8 @@ LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS: tuple[str, ...] = ("text", "json")
 #: Tool-call output formats (``auto``: from the model's chat template, see docs/tools.md).
 TOOL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3", "mistral")
+#: ``FURNACE_SESSION_STORE``: the URL schemes of the Redis client (Redis or Valkey).
+SESSION_STORE_SCHEMES: tuple[str, ...] = ("redis://", "rediss://", "unix://")
 #: Speculative decoding (``FURNACE_SPECULATIVE``), as furnace_trio.engine.speculation.METHODS.
 SPECULATIVE_METHODS: tuple[str, ...] = ("off", "ngram")
 

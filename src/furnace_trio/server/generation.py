@@ -41,6 +41,7 @@ from furnace_trio.server.errors import APIError, invalid_request
 from furnace_trio.server.protocol import resolve_max_tokens
 from furnace_trio.server.request_log import RequestTiming
 from furnace_trio.server.response_body import (
+    OnCommit,
     commit_turn,
     failure_error,
     fold_event,
@@ -87,10 +88,12 @@ async def generate(
     turn: Turn | None = None,
     nursery: trio.Nursery | None = None,
     echo: Sequence[str] | None = None,
+    on_commit: OnCommit | None = None,
 ) -> Response:
     """Generate for one prompt, or for a batch of completions prompts (each its own engine
     request, read together through a :class:`StreamGroup` whose tasks run in ``nursery``).
-    ``echo`` holds each prompt's text where the choices begin with their prompt."""
+    ``echo`` holds each prompt's text where the choices begin with their prompt;
+    ``on_commit`` is awaited once a session ``turn`` committed."""
     started = start_generation(
         backend,
         kind,
@@ -111,6 +114,7 @@ async def generate(
                 started.timing,
                 parsed.include_usage,
                 started.tools,
+                on_commit,
             ),
             mimetype="text/event-stream",
             headers=SSE_HEADERS,
@@ -118,6 +122,8 @@ async def generate(
         response.timeout = None  # RESPONSE_TIMEOUT would silently cut a long stream
         return response
     await collect(started)
+    if on_commit is not None and turn is not None:
+        await on_commit()
     return Response(dumps(started.collector.response()), mimetype="application/json")
 
 

@@ -71,6 +71,8 @@ async def start_backend(app: QuartTrio, state: ServerState) -> None:
 
         factory = load_backend
     state.backend = await trio.to_thread.run_sync(factory, cfg)
+    if cfg.session_store is not None:
+        await _open_shared_sessions(app, state, cfg.session_store)
     await app.nursery.start(_supervise_engine, state)
     await app.nursery.start(_reload_on_sighup, app, state)
     gc.collect()
@@ -83,9 +85,25 @@ async def start_backend(app: QuartTrio, state: ServerState) -> None:
     )
 
 
+async def _open_shared_sessions(app: QuartTrio, state: ServerState, url: str) -> None:
+    """Sessions shared with other replicas through the store at ``url``; it must answer."""
+    from furnace_trio.server.redis_store import RedisStore
+    from furnace_trio.server.shared_sessions import SharedSessions
+
+    assert state.backend is not None  # loaded just before; not user input
+    store = RedisStore(url, ttl_s=state.backend.engine.sessions.ttl_s)
+    shared = SharedSessions(store)
+    await shared.check()
+    await app.nursery.start(shared.serve)
+    state.shared = shared
+    logger.info("sessions shared through %s", url.split("@")[-1])
+
+
 async def stop_backend(state: ServerState) -> None:
     """Drain, shut the engine down and cancel it, thaw the startup heap."""
     await drain(state)
+    if state.shared is not None:
+        await state.shared.stop()
     backend = state.backend
     if backend is not None:
         backend.engine.shutdown()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 from furnace_trio.engine import (
     Admitted,
@@ -58,16 +58,23 @@ def fold_event(event: object, collector: Collector, timing: RequestTiming) -> Fa
     return None
 
 
-def commit_turn(stream: RequestStream | StreamGroup, event: object, collector: Collector) -> None:
+def commit_turn(stream: RequestStream | StreamGroup, event: object, collector: Collector) -> bool:
     """Once a session turn's reply is complete (its ``Finished``, which follows the choice's
-    last text and tool calls), it joins the session as the client received it."""
+    last text and tool calls), it joins the session as the client received it; whether
+    it did."""
     if (
         isinstance(event, Finished)
         and event.index == 0
         and isinstance(stream, RequestStream)
         and stream.turn is not None
     ):
-        stream.commit_turn(collector.message(0))
+        return stream.commit_turn(collector.message(0))
+    return False
+
+
+#: Awaited once a session turn committed, before the client sees the reply's end (the
+#: shared session store saves the history there: the next turn may go to another replica).
+OnCommit = Callable[[], Awaitable[None]]
 
 
 def _admit(event: Admitted, collector: Collector, timing: RequestTiming) -> None:
@@ -83,6 +90,7 @@ async def stream_body(
     timing: RequestTiming,
     include_usage: bool,
     tools: ToolCallStream | Echo | None = None,
+    on_commit: OnCommit | None = None,
 ) -> AsyncIterator[bytes]:
     """SSE body; ``finally`` aborts (sync, idempotent) however the generator ends."""
     try:
@@ -96,7 +104,9 @@ async def stream_body(
             timing.observe(engine_event)
             events = tools.translate(engine_event) if tools is not None else [engine_event]
             for event in events:
-                commit_turn(stream, event, collector)  # before its chunk: the client may leave
+                # before its chunk: the client may leave
+                if commit_turn(stream, event, collector) and on_commit is not None:
+                    await on_commit()
                 for chunk in _stream_chunks(event, collector, timing, include_usage):
                     yield chunk
             if isinstance(engine_event, Failed):

@@ -104,17 +104,21 @@ def _begin(
     try:
         turn = engine.begin_turn(session_id, owner, messages)
     except SessionBusy:
-        raise APIError(
-            409,
-            "Another response continuing this conversation is still being generated; "
-            "continue from it once it has finished.",
-            param="previous_response_id",
-            code="conversation_busy",
-            headers={"x-should-retry": "false"},
-        ) from None
+        raise conversation_busy() from None
     except SessionNotFound:  # another owner's session of that name
         raise _expired(session_id) from None
     return Conversation(tuple(turn.prompt_messages), turn)
+
+
+def conversation_busy() -> APIError:
+    return APIError(
+        409,
+        "Another response continuing this conversation is still being generated; "
+        "continue from it once it has finished.",
+        param="previous_response_id",
+        code="conversation_busy",
+        headers={"x-should-retry": "false"},
+    )
 
 
 def _expired(response_id: str) -> APIError:

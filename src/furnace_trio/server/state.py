@@ -25,6 +25,7 @@ from furnace_trio.tools.grammar import GrammarCompiler
 
 if TYPE_CHECKING:
     from furnace_trio.server.backend import Backend
+    from furnace_trio.server.shared_sessions import SharedSessions
 
 BackendFactory = Callable[[ServerConfig], "Backend"]
 STATE_KEY = "furnace_trio"
@@ -50,6 +51,8 @@ class ServerState:
     tool_call_fallbacks: Counter[str] = field(default_factory=Counter)
 
     grammar: GrammarCompiler | None = None
+    # Sessions shared with other replicas (FURNACE_SESSION_STORE); None: in-process only.
+    shared: SharedSessions | None = None
     off_loop: OffLoop = field(default_factory=OffLoop)  # threads for client-chosen work
     draining: bool = False
     in_flight: int = 0  # HTTP requests inside the app right now

@@ -24,6 +24,7 @@ from furnace_trio.server.chat_prompt import render_chat
 from furnace_trio.server.chat_request import ChatRequest, parse_chat_request
 from furnace_trio.server.errors import invalid_request
 from furnace_trio.server.generation import generate
+from furnace_trio.server.response_body import OnCommit
 from furnace_trio.server.routes.common import config_of, read_generation
 from furnace_trio.server.routes.sessions import session_busy, session_not_found
 from furnace_trio.server.sse import dumps
@@ -67,7 +68,11 @@ def _session_id(parsed: ChatRequest) -> str | None:
 
 
 async def _chat(
-    state: ServerState, backend: Backend, parsed: ChatRequest, turn: Turn | None = None
+    state: ServerState,
+    backend: Backend,
+    parsed: ChatRequest,
+    turn: Turn | None = None,
+    on_commit: OnCommit | None = None,
 ) -> Response:
     """Render, tokenize, set up tool parsing and any grammar, then generate."""
     prepared = await prepare_chat(state, backend, parsed, turn)
@@ -80,6 +85,7 @@ async def _chat(
         prepared.tool_stream,
         constraint=prepared.constraint,
         turn=turn,
+        on_commit=on_commit,
     )
 
 
@@ -124,8 +130,12 @@ async def _session_chat(
     commits the turn's reply once it is complete, and the request stream ends the turn when
     closed; until the stream exists, ending it on the way out is ours."""
     engine = backend.engine
+    shared = state.shared
     try:
-        turn = engine.begin_turn(session_id, session_owner(), parsed.messages)
+        if shared is None:
+            turn = engine.begin_turn(session_id, session_owner(), parsed.messages)
+        else:  # another replica may have the latest history; its lock says who runs a turn
+            turn = await shared.begin_turn(engine, session_id, session_owner(), parsed.messages)
     except SessionNotFound:
         raise session_not_found(session_id) from None
     except SessionBusy as exc:
@@ -134,7 +144,8 @@ async def _session_chat(
         raise invalid_request(str(exc), "session_id") from None
     try:
         full = dataclasses.replace(parsed, messages=tuple(turn.prompt_messages))
-        response = await _chat(state, backend, full, turn)
+        on_commit = None if shared is None else functools.partial(shared.finish, turn)
+        response = await _chat(state, backend, full, turn, on_commit)
     except BaseException:
         engine.end_turn(turn)
         raise

@@ -10,6 +10,7 @@ in a :class:`~furnace_trio.server.responses_store.ResponseStore`, which ``GET``,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from furnace_trio.engine import Failed, Finished
+from furnace_trio.engine.sessions import SessionBusy, SessionNotFound
 from furnace_trio.server.auth import session_owner
 from furnace_trio.server.errors import APIError, invalid_request
 from furnace_trio.server.generation import Started, collect, start_generation
@@ -28,7 +30,13 @@ from furnace_trio.server.responses_events import Event, ResponseEvents, sse_fram
 from furnace_trio.server.responses_object import ResponseObject, new_response_id
 from furnace_trio.server.responses_request import ResponsesRequest, parse_responses_request
 from furnace_trio.server.responses_schemas import MAX_LIST_LIMIT
-from furnace_trio.server.responses_sessions import Position, close, open_conversation
+from furnace_trio.server.responses_sessions import (
+    Conversation,
+    Position,
+    close,
+    conversation_busy,
+    open_conversation,
+)
 from furnace_trio.server.responses_sessions import release as release_session
 from furnace_trio.server.responses_sessions import settle as settle_turn
 from furnace_trio.server.responses_store import ResponseNotFound, ResponseStore, StoredResponse
@@ -40,6 +48,7 @@ from furnace_trio.server.state import ServerState
 if TYPE_CHECKING:
     from furnace_trio.engine.sessions import Turn
     from furnace_trio.server.backend import Backend
+    from furnace_trio.server.shared_sessions import SharedSessions
 
 logger = logging.getLogger(__name__)
 
@@ -54,25 +63,29 @@ def register(app: QuartTrio, state: ServerState) -> None:
         if parsed.stream:
             response = Response(_stream(run), mimetype="text/event-stream", headers=SSE_HEADERS)
             response.timeout = None  # RESPONSE_TIMEOUT would silently cut a long stream
-            return response
-        await collect(run.started, run.feed)
-        run.finish()
-        return _json(run.response.body())
+        else:
+            await collect(run.started, run.feed)
+            run.finish()
+            await run.share()
+            response = _json(run.response.body())
+        if run.turn is not None:  # the routing key a proxy's session affinity hashes on
+            response.headers["X-Session-Id"] = run.turn.session_id
+        return response
 
     @app.get("/v1/responses/<response_id>")
     async def get_response(response_id: str) -> Response:
         backend = state.serving_backend()
-        return _json(dict(_find(stores.get(backend), response_id).body))
+        return _json(dict((await _find(state, stores.get(backend), response_id)).body))
 
     @app.delete("/v1/responses/<response_id>")
     async def delete_response(response_id: str) -> Response:
         backend = state.serving_backend()
         store = stores.get(backend)
         owner = session_owner()
-        try:
-            record = store.delete(response_id, owner, trio.current_time())
-        except ResponseNotFound:
-            raise _not_found(response_id) from None
+        await _find(state, store, response_id)  # from the shared store if not here
+        record = store.delete(response_id, owner, trio.current_time())
+        if state.shared is not None:
+            await state.shared.delete_response(response_id)
         if record.session_id is not None and not store.references(record.session_id):
             release_session(backend.engine, record.session_id, owner)
         return _json({"id": response_id, "object": "response.deleted", "deleted": True})
@@ -80,7 +93,7 @@ def register(app: QuartTrio, state: ServerState) -> None:
     @app.get("/v1/responses/<response_id>/input_items")
     async def list_input_items(response_id: str) -> Response:
         backend = state.serving_backend()
-        items = list(_find(stores.get(backend), response_id).input_items)
+        items = list((await _find(state, stores.get(backend), response_id)).input_items)
         return _json(_item_page(items))
 
 
@@ -111,7 +124,9 @@ class _Run:
     events: ResponseEvents
     turn: Turn | None
     calls: frozenset[str]
+    shared: SharedSessions | None = None
     position: Position | None = None
+    kept: StoredResponse | None = None
 
     @property
     def response(self) -> ResponseObject:
@@ -152,6 +167,17 @@ class _Run:
             last_used=0.0,
         )
         self.store.put(record, trio.current_time())
+        self.kept = record
+
+    async def share(self) -> None:
+        """With a shared store: save the session's history and the stored response there
+        before the client sees the end, so the next turn may go to any replica."""
+        if self.shared is None:
+            return
+        if self.turn is not None:
+            await self.shared.finish(self.turn)
+        if self.kept is not None:
+            await self.shared.put_response(self.kept)
 
 
 async def _start(
@@ -162,10 +188,7 @@ async def _start(
     owner = session_owner()
     previous = None
     if parsed.previous_response_id is not None:
-        try:
-            previous = store.get(parsed.previous_response_id, owner, trio.current_time())
-        except ResponseNotFound:
-            raise _not_found(parsed.previous_response_id, "previous_response_id") from None
+        previous = await _find(state, store, parsed.previous_response_id, "previous_response_id")
     calls = parsed.input.calls | (previous.calls if previous is not None else frozenset())
     for index, call_id in parsed.input.outputs:
         if call_id not in calls:
@@ -174,14 +197,18 @@ async def _start(
                 f"input[{index}].call_id",
             )
     response_id = new_response_id()
-    conversation = open_conversation(
-        backend.engine,
-        owner,
-        previous,
-        parsed.input.messages,
-        store=parsed.store,
-        session_id=response_id,
-    )
+    shared = state.shared
+    if shared is None:
+        conversation = open_conversation(
+            backend.engine,
+            owner,
+            previous,
+            parsed.input.messages,
+            store=parsed.store,
+            session_id=response_id,
+        )
+    else:
+        conversation = await _open_shared(shared, backend, owner, previous, parsed, response_id)
     turn = conversation.turn
     try:
         chat = parsed.chat_request(conversation.messages)
@@ -205,7 +232,56 @@ async def _start(
             close(backend.engine, turn)
         raise
     events = ResponseEvents(ResponseObject(response_id, backend.model_name, parsed))
-    return _Run(backend, store, owner, parsed, started, events, turn, calls)
+    return _Run(backend, store, owner, parsed, started, events, turn, calls, shared)
+
+
+async def _open_shared(
+    shared: SharedSessions,
+    backend: Backend,
+    owner: str,
+    previous: StoredResponse | None,
+    parsed: ResponsesRequest,
+    response_id: str,
+) -> Conversation:
+    """:func:`open_conversation` with the conversation's session locked and synced from
+    the shared store (its latest turn may have run on another replica)."""
+    engine = backend.engine
+    token = None
+    locked = previous.session_id if previous is not None else None
+    try:
+        if locked is not None:
+            try:
+                token = await shared.lock(locked)
+            except SessionBusy:
+                raise conversation_busy() from None
+            with contextlib.suppress(SessionNotFound):  # open_conversation says 404
+                await shared.sync(engine, locked, owner)
+        conversation = open_conversation(
+            engine,
+            owner,
+            previous,
+            parsed.input.messages,
+            store=parsed.store,
+            session_id=response_id,
+        )
+    except BaseException:
+        if locked is not None and token is not None:
+            with trio.CancelScope(shield=True):
+                await shared.unlock(locked, token)
+        raise
+    turn = conversation.turn
+    if locked is not None and token is not None and (turn is None or turn.session_id != locked):
+        await shared.unlock(locked, token)
+        token = None
+    if turn is not None:
+        try:
+            if token is None:  # a new session, named after this response: nobody else has it
+                token = await shared.lock(turn.session_id)
+        except BaseException:
+            close(engine, turn)
+            raise
+        shared.hold(turn, token)
+    return conversation
 
 
 async def _stream(run: _Run) -> AsyncIterator[bytes]:
@@ -221,13 +297,17 @@ async def _stream(run: _Run) -> AsyncIterator[bytes]:
                 if isinstance(translated, Failed):
                     error = failure_error(translated)
                     timing.status = error.status
-                    for event in run.fail(error):
+                    failed = run.fail(error)
+                    await run.share()
+                    for event in failed:
                         yield sse_frame(event)
                     return
                 fold_event(translated, collector, timing)
                 for event in run.feed(translated):
                     yield sse_frame(event)
-        for event in run.finish():
+        finished = run.finish()
+        await run.share()
+        for event in finished:
             yield sse_frame(event)
     except Exception as exc:
         timing.status = 500
@@ -257,11 +337,21 @@ def _renamed(exc: APIError) -> APIError:
     )
 
 
-def _find(store: ResponseStore, response_id: str) -> StoredResponse:
+async def _find(
+    state: ServerState, store: ResponseStore, response_id: str, param: str = "response_id"
+) -> StoredResponse:
+    """The stored response, from this replica's store or else the shared one."""
+    owner = session_owner()
     try:
-        return store.get(response_id, session_owner(), trio.current_time())
+        return store.get(response_id, owner, trio.current_time())
     except ResponseNotFound:
-        raise _not_found(response_id) from None
+        if state.shared is None:
+            raise _not_found(response_id, param) from None
+    record = await state.shared.get_response(response_id)
+    if record is None or record.owner != owner:
+        raise _not_found(response_id, param)
+    store.put(record, trio.current_time())
+    return record
 
 
 def _not_found(response_id: str, param: str = "response_id") -> APIError:

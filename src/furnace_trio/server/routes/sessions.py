@@ -38,6 +38,8 @@ def register(app: QuartTrio, state: ServerState) -> None:
     async def get_session(session_id: str) -> Response:
         backend = state.serving_backend()
         try:
+            if state.shared is not None:  # the latest turn may have run on another replica
+                await state.shared.sync(backend.engine, session_id, session_owner())
             session = backend.engine.get_session(session_id, session_owner())
         except SessionNotFound:
             raise session_not_found(session_id) from None
@@ -54,7 +56,10 @@ def register(app: QuartTrio, state: ServerState) -> None:
     async def delete_session(session_id: str) -> Response:
         backend = state.serving_backend()
         try:
-            backend.engine.delete_session(session_id, session_owner())
+            if state.shared is not None:
+                await state.shared.delete(backend.engine, session_id, session_owner())
+            else:
+                backend.engine.delete_session(session_id, session_owner())
         except SessionNotFound:
             raise session_not_found(session_id) from None
         except SessionBusy as exc:
