@@ -33,7 +33,7 @@ from furnace_trio.runtime import native, native_forward
 from furnace_trio.runtime.attention import CUDA_ATTENTION
 from furnace_trio.runtime.decoder_layer import DecoderLayer
 from furnace_trio.runtime.kv_cache import KVCache
-from furnace_trio.runtime.layers import RMSNorm, WeightSource, rope_inv_freq
+from furnace_trio.runtime.layers import MLP, RMSNorm, WeightSource, rope_inv_freq
 from furnace_trio.runtime.step_inputs import DecodeBatch, PrefillBatch, StepInputs, chunk_mask
 
 
@@ -194,7 +194,7 @@ class Transformer(nn.Module):
             return None
         x = self.embed_tokens(inputs.input_ids)
         cos, sin = self._rotary(inputs.positions, max(inputs.context_lens))
-        intermediate = cast(DecoderLayer, self.layers[0]).mlp.intermediate
+        intermediate = cast(MLP, cast(DecoderLayer, self.layers[0]).mlp).intermediate
         self._fused.run(ptrs, intermediate, x, cos, sin, inputs, cache, kernels)
         eps = self.config.rms_norm_eps
         return native_forward.final_logits(

@@ -79,7 +79,8 @@ def run_layers(
     for i, layer in enumerate(layers):
         h = attention(layer.self_attn, normed, cos, sin, cache.layers[i], inputs, kernels)
         kernels.add_rmsnorm(x, h, layer.post_attention_layernorm.weight, eps, normed)
-        h = mlp(layer.mlp, normed, kernels)
+        # dense layers only: a mixture of experts never gets the native kernels
+        h = mlp(cast(MLP, layer.mlp), normed, kernels)
         if i + 1 < len(layers):
             kernels.add_rmsnorm(x, h, layers[i + 1].input_layernorm.weight, eps, normed)
         else:
