@@ -12,7 +12,7 @@ The work is batched per expert, not per token::
 
 So a decode step of ``n`` sequences reads at most ``min(E, n * k)`` experts' weights, and
 each expert read once, however many of the step's tokens chose it. The experts are the
-builder's linear layers (:meth:`~furnace_trio.runtime.model.WeightSource.linear`): native
+builder's linear layers (:meth:`~furnace_trio.runtime.layers.WeightSource.linear`): native
 quantized ones under ``FURNACE_QUANT`` (a GGUF's blocks kept where a kernel takes them),
 float ones otherwise. The router and the shared expert's gate stay float: a rounded router
 would pick other experts than the model's own.
