@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from furnace_trio.loading.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "build" / "models"
+INDEX = "model.safetensors.index.json"
 
 SHAPES: dict[str, dict[str, int | float | bool]] = {
     "1b": {
@@ -52,7 +54,7 @@ SHAPES: dict[str, dict[str, int | float | bool]] = {
 def hf_directory(shape: str) -> Path:
     """The shape's Hugging Face directory (config, tokenizer, random bfloat16 weights)."""
     out = MODELS / f"llama-{shape}-random"
-    if (out / "model.safetensors").is_file():
+    if (out / INDEX).is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
     dims = SHAPES[shape]
@@ -91,12 +93,25 @@ def hf_directory(shape: str) -> Path:
         **dims,
     }
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    save_file(random_weights(config), str(out / "model.safetensors"))
+    write_shards(out, random_weights(config), 1 + int(config["num_hidden_layers"]))
     return out
 
 
-def random_weights(config: dict) -> dict[str, torch.Tensor]:
-    """Gaussian weights (std 0.02, as Llama's initialisation), unit norms, bfloat16."""
+def write_shards(out: Path, parts: Iterator[dict[str, torch.Tensor]], count: int) -> None:
+    """One safetensors file per part, and the index that names each tensor's file (as
+    ``save_pretrained`` shards), so that no more than one part is ever in memory: an
+    8B shape is 16 GB of bfloat16."""
+    weight_map: dict[str, str] = {}
+    for number, part in enumerate(parts, start=1):
+        name = f"model-{number:05d}-of-{count:05d}.safetensors"
+        save_file(part, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    (out / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+
+
+def random_weights(config: dict) -> Iterator[dict[str, torch.Tensor]]:
+    """Gaussian weights (std 0.02, as Llama's initialisation), unit norms, bfloat16: the
+    embeddings, norm and head first, then one layer at a time."""
     generator = torch.Generator().manual_seed(0)
     hidden, ff = config["hidden_size"], config["intermediate_size"]
     head_dim = config["head_dim"]
@@ -110,7 +125,9 @@ def random_weights(config: dict) -> dict[str, torch.Tensor]:
     weights["model.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
     if not config["tie_word_embeddings"]:
         weights["lm_head.weight"] = normal(config["vocab_size"], hidden)
+    yield weights
     for i in range(config["num_hidden_layers"]):
+        weights = {}
         p = f"model.layers.{i}."
         weights[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
         weights[p + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
@@ -121,7 +138,7 @@ def random_weights(config: dict) -> dict[str, torch.Tensor]:
         weights[p + "mlp.gate_proj.weight"] = normal(ff, hidden)
         weights[p + "mlp.up_proj.weight"] = normal(ff, hidden)
         weights[p + "mlp.down_proj.weight"] = normal(hidden, ff)
-    return weights
+        yield weights
 
 
 def gguf_file(shape: str, quant: str = "Q4_K_M") -> Path:
