@@ -27,7 +27,7 @@ from furnace_trio.runtime.native import quantize_kv_rows
 from furnace_trio.runtime.quant import NativeQ4Linear, dequantize_q4, quantize_q4
 from furnace_trio.runtime.runner import KV_DTYPES, ModelRunner, RunnerConfig, build_inputs
 from furnace_trio.runtime.step_inputs import PrefillBatch, chunk_mask
-from furnace_trio.server import config as server_config
+from furnace_trio.server import config_values as server_config
 
 from .._model_fixtures import GEMMA3_WINDOW, write_tiny_model
 

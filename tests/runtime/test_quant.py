@@ -35,7 +35,7 @@ from furnace_trio.runtime.quant import (
     resolve_quantization,
 )
 from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
-from furnace_trio.server import config
+from furnace_trio.server import config_values as config
 
 DATA = Path(__file__).parent.parent / "data" / "perplexity.txt"
 REL_TOL = 0.03
