@@ -106,19 +106,10 @@ def test_the_walker_sees_nested_and_relative_imports(tmp_path: Path) -> None:
 
 #: The most lines a module may have: one concept per file.
 MAX_LINES = 500
-#: Modules still over :data:`MAX_LINES`. The lead removes each entry once its module is
-#: under the limit (other work is shrinking these two).
-OVER_MAX_LINES = {"engine/engine.py", "engine/scheduler.py"}
 
 
 @pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(SRC)))
 def test_no_module_is_over_the_line_limit(path: Path) -> None:
     name = path.relative_to(SRC).as_posix()
-    if name in OVER_MAX_LINES:
-        return
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{name} has {lines} lines; split it by concept"
-
-
-def test_the_line_limit_allow_list_names_modules_that_exist() -> None:
-    assert {p for p in OVER_MAX_LINES if not (SRC / p).is_file()} == set()
