@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from furnace_trio.engine import EngineBusy, EngineConfig, GenerationRequest
+from furnace_trio.engine.backlog import TOKEN_BYTES
 
 from ..scripted import ScriptedRunner, encode
 from ..server.waiting import engine_reaches
@@ -76,16 +77,23 @@ async def test_a_queued_request_wider_than_a_lowered_max_running_runs_alone() ->
 
 
 async def test_a_request_keeps_the_backlog_limit_it_was_submitted_with() -> None:
-    config = EngineConfig(max_response_bytes=1 << 20)
+    """Streams nobody reads: a request accepted before the change (the old default) and one
+    with its own limit pause after a few tokens; one accepted after it gets the new
+    default and runs to its end."""
+    small = 3 * TOKEN_BYTES
+    config = EngineConfig(max_response_bytes=small)
     async with serving(ScriptedRunner(), config) as engine:
-        own = GenerationRequest(encode("hi"), request("hi").params, max_response_bytes=64)
-        stream = engine.submit(own)
-        engine.reconfigure(dataclasses.replace(config, max_response_bytes=1 << 16))
-        assert stream._backlog is not None and stream._backlog.limit == 64
-        later = engine.submit(request("later"))
-        assert later._backlog is not None and later._backlog.limit == 1 << 16
-        stream.close()
-        later.close()
+        early = engine.submit(request("early", max_tokens=30))
+        engine.reconfigure(dataclasses.replace(config, max_response_bytes=1 << 20))
+        params = request("own", max_tokens=30).params
+        own = engine.submit(GenerationRequest(encode("own"), params, max_response_bytes=small))
+        later = engine.submit(request("later", max_tokens=30))
+        await engine_reaches(engine, lambda s: s.requests_paused == 2, "two pauses")
+        assert (await collect(later)).finished[0].completion_tokens == 30
+        stats = engine.statistics()
+        assert stats.requests_paused == 2 and stats.pauses_total == 2
+        for stream in (early, own):
+            assert (await collect(stream)).finished[0].completion_tokens == 30
 
 
 async def test_settings_fixed_for_the_engines_life_are_refused() -> None:

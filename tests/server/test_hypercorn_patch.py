@@ -1,5 +1,5 @@
 """The hypercorn patch: applied only to the pinned version, once; and in process, a reader
-that never reads no longer holds a server's stop open past its graceful period.
+that never reads does not hold a server's stop open past its graceful period.
 
 (The drain under the real ``hypercorn`` command is tested in ``test_hypercorn_stop.py``.)
 """

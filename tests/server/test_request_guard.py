@@ -52,7 +52,7 @@ async def test_a_json_body_sent_as_anything_but_json_is_415() -> None:
                 "/v1/chat/completions", content=BODY, headers={"Content-Type": content_type}
             )
             assert ok.status_code == 200, ok.text
-        # Not a JSON endpoint for that method or path: 405 and 404 as before.
+        # Not a JSON endpoint for that method or path: 405 and 404, as without the guard.
         assert (await http.put("/v1/chat/completions", content=BODY)).status_code == 405
         assert (await http.post("/v1/nothing", content=BODY)).status_code == 404
     assert served.state.http_responses[415] == 15

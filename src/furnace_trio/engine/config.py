@@ -9,13 +9,14 @@ from one place and never check them again. A running engine takes a new one
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from furnace_trio.engine.speculation import SpeculationConfig
 
 _NO_SPECULATION = SpeculationConfig()  # frozen, so one default is safe to share
 
-__all__ = ["LIVE_FIELDS", "EngineConfig"]
+__all__ = ["LIVE_FIELDS", "EngineConfig", "fixed_changes"]
 
 #: The settings :meth:`Engine.reconfigure <furnace_trio.engine.Engine.reconfigure>` changes
 #: while the engine serves; the others are fixed for the engine's life.
@@ -82,3 +83,12 @@ class EngineConfig:
             raise ValueError("max_response_bytes must be at least 1")
         if self.target_itl_ms is not None and not 0 < self.target_itl_ms < float("inf"):
             raise ValueError("target_itl_ms must be a finite number > 0")
+
+
+def fixed_changes(old: EngineConfig, new: EngineConfig) -> list[str]:
+    """The settings outside :data:`LIVE_FIELDS` that differ between ``old`` and ``new``."""
+    return [
+        f.name
+        for f in dataclasses.fields(new)
+        if f.name not in LIVE_FIELDS and getattr(new, f.name) != getattr(old, f.name)
+    ]

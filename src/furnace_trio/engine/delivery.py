@@ -7,6 +7,11 @@ touches neither the scheduler nor the sessions: the engine hands it the callback
 request whose stream closed (abort it), for one whose stream holds more than its
 :class:`~furnace_trio.engine.backlog.Backlog` allows (pause it), and for one that finished
 (its session turn).
+
+With ``stream_interval`` N > 1, a sample's first token goes out at once and the rest in
+groups of N (and at its end), each group one message and one
+:class:`~furnace_trio.engine.events.Delta`: the consumer's task wakes, and the HTTP layer
+writes a chunk, once per group instead of once per token.
 """
 
 from __future__ import annotations

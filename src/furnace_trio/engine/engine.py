@@ -14,21 +14,17 @@ and :meth:`Engine.abort`, which run on the same Trio thread, so there are no loc
   slow client; a closed channel means the client left, and the request is aborted. What
   a stream has not taken yet is its backlog: past ``max_response_bytes`` the request
   pauses (keeps its KV, takes no steps) until its client reads again
-  (:mod:`~furnace_trio.engine.backlog`). With ``stream_interval``
-  N > 1, a sample's first token goes out at once and the rest in groups of N (and at its
-  end), each group one message and one :class:`~furnace_trio.engine.events.Delta`: the consumer's task wakes, and the
-  HTTP layer writes a chunk, once per group instead of once per token.
+  (:mod:`~furnace_trio.engine.backlog`).
 - Text work runs in the consumer's task (:mod:`~furnace_trio.engine.stream`), which
   reaches the engine only through :class:`~furnace_trio.engine.stream.StreamOwner`.
-- Failure isolation: when ``runner.step`` raises, the step's requests run again in halves
-  on the model thread until each failing one ran alone (:mod:`~furnace_trio.engine.isolation`):
-  only those fail, and the others go on with the tokens their re-run drew. If the
-  engine task itself dies (a bug), every stream gets :class:`~furnace_trio.engine.events.Failed`, :attr:`Engine.alive`
-  turns false and :meth:`Engine.submit` raises :class:`EngineUnavailable`: no request
-  ever hangs. :meth:`Engine.run` then returns instead of raising, because an exception
-  escaping quart-trio's lifespan nursery is only logged while the server goes on.
-- Watchdog: a step that runs past ``step_timeout_s`` kills the engine the same way; its
-  thread is abandoned (see :meth:`Engine._run_step`) and no other step ever starts. Every
+- Each step runs and is settled by the :class:`~furnace_trio.engine.stepper.Stepper`:
+  when ``runner.step`` raises, only the requests that make it raise fail
+  (:mod:`~furnace_trio.engine.isolation`). If the engine task itself dies (a bug, or a
+  step past the ``step_timeout_s`` watchdog), every stream gets
+  :class:`~furnace_trio.engine.events.Failed`, :attr:`Engine.alive` turns false and
+  :meth:`Engine.submit` raises :class:`EngineUnavailable`: no request ever hangs.
+  :meth:`Engine.run` then returns instead of raising, because an exception escaping
+  quart-trio's lifespan nursery is only logged while the server goes on. Every
   :class:`Failed` carries a :class:`FailureCause`, so the HTTP layer can tell "the model
   failed on this request" (500) from "the server cannot serve" (503).
 - Drain: :meth:`Engine.drain` stops admitting but lets every accepted request (running or
@@ -46,24 +42,29 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import trio
 
-from furnace_trio.core.plan import SampledToken, StepPlan, StepRunner
+from furnace_trio.core.plan import StepRunner
 from furnace_trio.engine.backlog import Backlog
 from furnace_trio.engine.block_pool import BlockPool
-from furnace_trio.engine.config import LIVE_FIELDS, EngineConfig
+from furnace_trio.engine.config import EngineConfig, fixed_changes
 from furnace_trio.engine.delivery import Outbox
-from furnace_trio.engine.errors import EngineBusy, EngineError, EngineUnavailable, check_request
+from furnace_trio.engine.errors import (
+    EngineBusy,
+    EngineError,
+    EngineUnavailable,
+    check_request,
+    check_room,
+)
 from furnace_trio.engine.events import FailureCause, GenerationRequest
-from furnace_trio.engine.isolation import StepAbandoned, run_isolating
+from furnace_trio.engine.isolation import StepAbandoned
 from furnace_trio.engine.kv_cache_manager import KVCacheManager
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.engine.pacing import StepPacer
-from furnace_trio.engine.scheduler import FinishReason, ScheduledStep, Scheduler, StepMismatch
+from furnace_trio.engine.scheduler import FinishReason, Scheduler
 from furnace_trio.engine.session_turns import SessionTurns
 from furnace_trio.engine.sessions import (
     Session,
@@ -72,8 +73,10 @@ from furnace_trio.engine.sessions import (
     SharedHistory,
     Turn,
 )
+from furnace_trio.engine.snapshots import Snapshots
 from furnace_trio.engine.stats import EngineMetrics, EngineStatistics
-from furnace_trio.engine.status import EngineStatus, StepRate, engine_status
+from furnace_trio.engine.status import EngineStatus, StepRate
+from furnace_trio.engine.stepper import Stepper
 from furnace_trio.engine.stream import RequestStream, TokenText
 
 logger = logging.getLogger(__name__)
@@ -106,7 +109,6 @@ class Engine:
         model_thread: ModelThread | None = None,
         pacer: StepPacer | None = None,
     ) -> None:
-        self._runner = runner
         # Steps run on one thread for the engine's life (see model_thread.py); a backend
         # passes the thread that loaded the model.
         self._model_thread = model_thread if model_thread is not None else ModelThread()
@@ -115,7 +117,7 @@ class Engine:
         self.max_context = min(config.max_context or runner.max_context, runner.max_context)
         self._pool = BlockPool(runner.num_blocks, runner.block_size, caching=config.prefix_cache)
         self._kv = KVCacheManager(self._pool)
-        self._scheduler = Scheduler(
+        self._scheduler = scheduler = Scheduler(
             self._kv,
             max_running=config.max_running,
             max_step_tokens=config.max_step_tokens,
@@ -136,21 +138,28 @@ class Engine:
         self._scheduler.reclaim = self._turns.reclaim
         if pacer is None and config.target_itl_ms is not None:  # a test passes its own
             pacer = StepPacer(config.target_itl_ms / 1000)
-        self._scheduler.pacer = self._pacer = pacer
+        scheduler.pacer = pacer
         self._next_expiry = 0.0
         self._wake = trio.Event()
         self._state = _State.NEW
         self._failure: str | None = None
-        self._metrics = EngineMetrics()
-        self._steps = StepRate()
+        self._metrics = metrics = EngineMetrics()
+        steps = StepRate()
         # Tasks in wait_statistics, woken after every change that statistics() shows.
         self._changed = trio.lowlevel.ParkingLot()
-        self._outbox = Outbox(
+        self._outbox = outbox = Outbox(
             self._metrics,
             config.stream_interval,
             on_closed=self.abort,
             on_finished=self._turns.finished,
             on_backlogged=self._pause,
+        )
+        timeout = config.step_timeout_s
+        self._stepper = Stepper(
+            runner, self._model_thread, scheduler, outbox, metrics, steps, pacer, timeout
+        )
+        self._snapshots = Snapshots(
+            runner, scheduler, self._kv, self.sessions, self._turns, outbox, metrics, steps, pacer
         )
 
     # -- public surface -------------------------------------------------------------------
@@ -206,18 +215,12 @@ class Engine:
         batch is refused whole before any of it is queued.
         """
         try:
-            self._check_room(num_sequences)
+            check_room(
+                self._scheduler.num_waiting_sequences, self.config.max_waiting, num_sequences
+            )
         except EngineBusy:
             self._metrics.count("rejected")
             raise
-
-    def _check_room(self, num_sequences: int) -> None:
-        waiting = self._scheduler.num_waiting_sequences
-        if waiting + num_sequences > self.config.max_waiting:
-            raise EngineBusy(
-                f"{waiting} sequences are waiting, and the queue holds "
-                f"{self.config.max_waiting}; this request needs {num_sequences}"
-            )
 
     def abort(self, request_id: str) -> None:
         """Drop a request in any state, freeing its KV blocks now; end its session turn
@@ -286,7 +289,7 @@ class Engine:
             self._state = _State.SHUTTING_DOWN
         for group in list(self._scheduler.waiting):
             self._scheduler.abort(group.request_id)
-            self._fail_request(
+            self._outbox.fail(
                 group.request_id, "the server is shutting down", FailureCause.SHUTDOWN
             )
         self._wake.set()
@@ -307,7 +310,7 @@ class Engine:
         request_ids = list(self._outbox)
         for request_id in request_ids:
             self._scheduler.abort(request_id)
-            self._fail_request(request_id, reason, FailureCause.SHUTDOWN)
+            self._outbox.fail(request_id, reason, FailureCause.SHUTDOWN)
         self._wake.set()
         self._changed.unpark_all()
         return len(request_ids)
@@ -318,11 +321,7 @@ class Engine:
         them from the next step on, a request already accepted keeps its backlog limit, and
         session caps hold from the next session change. ``ValueError`` when another
         setting differs from the engine's (those need a new engine). Never awaits."""
-        fixed = [
-            f.name
-            for f in dataclasses.fields(config)
-            if f.name not in LIVE_FIELDS and getattr(config, f.name) != getattr(self.config, f.name)
-        ]
+        fixed = fixed_changes(self.config, config)
         if fixed:
             raise ValueError(f"cannot change while serving: {', '.join(fixed)}")
         self.config = config
@@ -333,6 +332,7 @@ class Engine:
         max_blocks = config.session_max_blocks
         store.max_blocks = self._pool.num_blocks // 2 if max_blocks is None else max_blocks
         store.max_sessions = config.max_sessions
+        self._stepper.step_timeout_s = config.step_timeout_s
         self._next_expiry = 0.0  # a shorter TTL applies at the next loop turn
         self._wake.set()  # a larger max_running may admit queued requests now
         self._changed.unpark_all()
@@ -370,42 +370,10 @@ class Engine:
         """Every request in flight (running ones in admission order, then the queue) with its
         phase and KV, and the engine's KV and step rate: a frozen snapshot of now, for an
         operator (``GET /status``). Never awaits."""
-        return engine_status(
-            self._state.value,
-            self.alive,
-            self._scheduler,
-            self._kv,
-            self.sessions,
-            self._steps,
-            trio.current_time(),
-            submitted_at=self._outbox.submitted_at,
-            session_of=self._turns.session_of,
-            pacing=None if self._pacer is None else self._pacer.status(),
-        )
+        return self._snapshots.status(self._state.value, self.alive)
 
     def statistics(self) -> EngineStatistics:
-        pool = self._pool
-        return self._metrics.snapshot(
-            running=self._scheduler.num_running,
-            waiting=self._scheduler.num_waiting,
-            kv_used=pool.num_used,
-            kv_total=pool.num_blocks,
-            alive=self.alive,
-            prefix_queries=self._kv.prefix_queries,
-            prefix_hits=self._kv.prefix_hits,
-            sessions=len(self.sessions),
-            session_pinned_blocks=self.sessions.pinned_blocks,
-            kv_blocks_cached=pool.num_unreferenced_cached,
-            kv_blocks_reserved=self._kv.num_reserved,
-            kv_blocks_evicted=pool.evictions,
-            kv_block_refs=pool.num_references,
-            requests_in_flight=len(self._outbox),
-            turns_open=len(self._turns),
-            requests_paused=self._scheduler.num_paused,
-            steps_total=self._steps.total,
-            pacing=None if self._pacer is None else self._pacer.status(),
-            expert_tokens=_expert_tokens(self._runner),
-        )
+        return self._snapshots.statistics(self.alive)
 
     # -- submission -----------------------------------------------------------------------
 
@@ -423,7 +391,7 @@ class Engine:
             id_in_use=request.request_id in self._outbox or request.request_id in self._turns,
         )
         turn = request.turn
-        self._check_room(params.n)
+        check_room(self._scheduler.num_waiting_sequences, self.config.max_waiting, params.n)
         if turn is not None:
             seed = self._turns.start(turn, request.request_id, params.seed)
             params = dataclasses.replace(params, seed=seed)
@@ -458,57 +426,12 @@ class Engine:
                 continue
             self._outbox.admitted(step, trio.current_time())
             self._changed.unpark_all()
-            started = trio.current_time()
-            if self._pacer is not None:
-                self._pacer.start()
             try:
-                step, sampled = await self._run(step)
+                await self._stepper.step(step)
             except StepAbandoned as exc:
                 logger.error("%s; failing every request", exc)
                 self._die(str(exc))
                 return
-            try:
-                outputs = self._scheduler.update(step, sampled)
-            except StepMismatch as exc:
-                logger.error("Bad runner output: %s", exc)
-                self._fail_step(step, f"the model failed: {exc}")
-                continue
-            now = trio.current_time()
-            self._steps.record(now)
-            if step.num_prefill_tokens:
-                self._metrics.prefill_step_time.observe(now - started)
-            else:
-                self._metrics.decode_step_time.observe(now - started)
-            self._outbox.deliver(outputs, now)
-            if self._pacer is not None:
-                self._pacer.finish(
-                    step.num_prefill_tokens, step.num_decode_tokens + step.num_draft_tokens
-                )
-
-    async def _run(self, step: ScheduledStep) -> tuple[ScheduledStep, list[SampledToken]]:
-        """Run ``step``; if it raises, find the requests that make it raise and fail only
-        them (:func:`~furnace_trio.engine.isolation.isolate`). The step that ran and its
-        tokens: ``step`` itself, or the part of it whose requests did not fail."""
-        isolated = await run_isolating(step.plan, self._scheduler.request_of, self._run_step)
-        if isolated.plan is step.plan:
-            return step, isolated.sampled
-        for request_id, failure in isolated.failures.items():
-            self._scheduler.abort(request_id)
-            self._fail_request(request_id, f"the model failed: {failure}")
-        return self._scheduler.narrow(step, isolated.plan), isolated.sampled
-
-    async def _run_step(self, plan: StepPlan) -> list[SampledToken]:
-        """Run the model step on the model thread under the watchdog.
-
-        The scope is shielded, so only its own deadline (the watchdog) cancels it: an
-        outer cancellation waits for the step, as ``abandon_on_cancel=False`` would. When
-        the watchdog fires the thread is abandoned, not stopped; it finishes on its own.
-        """
-        timeout = self.config.step_timeout_s
-        deadline = math.inf if timeout is None else trio.current_time() + timeout
-        with trio.CancelScope(deadline=deadline, shield=True):
-            return await self._model_thread.run(self._runner.step, plan)
-        raise StepAbandoned(f"a model step ran past the watchdog of {timeout} s")
 
     def _pause(self, request_id: str) -> None:
         """Its stream holds more than ``max_response_bytes`` unsent: no steps until
@@ -516,15 +439,6 @@ class Engine:
         if self._scheduler.pause(request_id):
             self._metrics.pauses_total += 1
             self._changed.unpark_all()
-
-    def _fail_step(self, step: ScheduledStep, message: str) -> None:
-        for request_id in self._scheduler.fail(step):
-            self._fail_request(request_id, message)
-
-    def _fail_request(
-        self, request_id: str, message: str, cause: FailureCause = FailureCause.MODEL
-    ) -> None:
-        self._outbox.fail(request_id, message, cause)
 
     def _die(self, reason: str) -> None:
         """Mark the engine dead and fail every request. Whatever breaks on the way, every
@@ -539,15 +453,7 @@ class Engine:
             logger.exception("Cleaning up the scheduler failed")
         for request_id in self._outbox:
             try:
-                self._fail_request(request_id, reason, FailureCause.ENGINE)
+                self._outbox.fail(request_id, reason, FailureCause.ENGINE)
             except Exception:
                 logger.exception("Failing request %s failed", request_id)
         self._outbox.close_all()
-
-
-def _expert_tokens(runner: StepRunner) -> tuple[tuple[int, ...], ...]:
-    """The runner's tokens per expert where it counts them (an optional ``expert_tokens()``:
-    the model runner of a mixture of experts; plain tuples of ints, read from the last
-    step's host copy, so calling it here while a step runs is safe)."""
-    counts = getattr(runner, "expert_tokens", None)
-    return counts() if callable(counts) else ()

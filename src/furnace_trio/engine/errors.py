@@ -1,5 +1,5 @@
-"""The errors :meth:`~furnace_trio.engine.Engine.submit` raises, and
-:func:`check_request`, the checks of a request's own shape that raise them.
+"""The errors :meth:`~furnace_trio.engine.Engine.submit` raises, and the checks that raise
+them: :func:`check_request` (a request's own shape) and :func:`check_room` (the queue).
 
 Each error maps to one HTTP answer (the HTTP layer does the mapping), so the engine says
 what went wrong without knowing about status codes.
@@ -17,6 +17,7 @@ __all__ = [
     "RequestRejected",
     "RequestTooLarge",
     "check_request",
+    "check_room",
 ]
 
 
@@ -85,3 +86,13 @@ def check_request(
             raise RequestRejected("a session turn samples one choice (n=1)", param="n")
         if turn.state is not TurnState.OPEN or turn.request_id is not None:
             raise RequestRejected("this session turn has a request already", param=None)
+
+
+def check_room(waiting: int, max_waiting: int, num_sequences: int) -> None:
+    """Raise :class:`EngineBusy` unless a queue of ``waiting`` sequences, which holds
+    ``max_waiting``, can take ``num_sequences`` more."""
+    if waiting + num_sequences > max_waiting:
+        raise EngineBusy(
+            f"{waiting} sequences are waiting, and the queue holds "
+            f"{max_waiting}; this request needs {num_sequences}"
+        )

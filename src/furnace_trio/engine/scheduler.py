@@ -28,9 +28,8 @@ chunk may carry drafts after its last token; the speculator settles what was acc
 (their own seq ids, ``seed + index`` when seeded so that they differ). Each child that goes
 on forks the parent's blocks, then the parent lets go of its blocks.
 
-Prefix cache: at admission the prompt's cached prefix (never its last token's block)
-becomes the start of the block table and of ``num_computed_tokens``, so only the rest is
-computed. A prompt whose tokens are scored (``prompt_logprobs``) is computed whole.
+Prefix cache: at admission the prompt's cached prefix becomes the start of the request's
+KV (:mod:`~furnace_trio.engine.admission`), so only the rest is computed.
 
 Sessions: a request added with ``keep_kv`` pins, when it finishes naturally, the cached
 blocks of everything it computed (:class:`KeptKV`, taken with :meth:`Scheduler.pop_kept`);
@@ -51,18 +50,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 from furnace_trio.core.params import SamplingParams
-from furnace_trio.core.plan import ChunkPlan, SampledToken, SampleSpec, StepPlan
-from furnace_trio.engine.kv_cache_manager import (
-    NO_COMPUTED_BLOCKS,
-    ComputedBlocks,
-    KeptKV,
-    KVCacheManager,
-    RequestBlocks,
-)
+from furnace_trio.core.plan import ChunkPlan, SampledToken, StepPlan
+from furnace_trio.engine.admission import WaitingQueue, allocate, start_running
+from furnace_trio.engine.chunk_plan import plan_chunk
+from furnace_trio.engine.kv_cache_manager import KeptKV, KVCacheManager
 from furnace_trio.engine.pacing import StepPacer
 from furnace_trio.engine.sequence import Group, Seq, SeqStatus, new_group
 from furnace_trio.engine.speculation import SpeculationConfig, Speculator, answers
@@ -100,10 +94,8 @@ class Scheduler:
         self.speculator: Speculator | None = None
         if speculation is not None and speculation.enabled:
             self.speculator = Speculator(speculation)
-        self.waiting: deque[Group] = deque()
+        self.waiting = WaitingQueue()
         self.running: dict[str, Group] = {}  # insertion order == admission order
-        self._waiting_ids: dict[str, Group] = {}
-        self._num_waiting_samples = 0  # samples (n per request) of the waiting requests
         self._seqs: dict[int, Seq] = {}  # running sequences by seq id
         self._next_seq_id = 0
         self._num_slots = 0  # live samples of running requests
@@ -123,7 +115,7 @@ class Scheduler:
     @property
     def num_waiting_sequences(self) -> int:
         """Samples of the waiting requests (``n`` per request): what they will run as."""
-        return self._num_waiting_samples
+        return self.waiting.num_samples
 
     @property
     def num_running(self) -> int:
@@ -145,10 +137,10 @@ class Scheduler:
 
     def is_waiting(self, request_id: str) -> bool:
         """Queued, not yet admitted."""
-        return request_id in self._waiting_ids
+        return self.waiting.has(request_id)
 
     def contains(self, request_id: str) -> bool:
-        return request_id in self.running or request_id in self._waiting_ids
+        return request_id in self.running or self.waiting.has(request_id)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -177,8 +169,6 @@ class Scheduler:
         group.keep_kv = keep_kv
         self._next_seq_id += params.n + (params.n > 1)
         self.waiting.append(group)
-        self._waiting_ids[request_id] = group
-        self._num_waiting_samples += params.n
 
     def abort(self, request_id: str, *, keep: bool = False) -> bool:
         """Drop a request in any state, freeing its blocks now. Whether it was known.
@@ -186,10 +176,8 @@ class Scheduler:
         ``keep``: the request ended normally (a stop string), so a ``keep_kv`` request
         still pins its KV; a plain abort (disconnect, failure) pins nothing.
         """
-        group = self._waiting_ids.pop(request_id, None)
+        group = self.waiting.remove(request_id)
         if group is not None:
-            self.waiting.remove(group)
-            self._num_waiting_samples -= group.params.n
             group.status = SeqStatus.FINISHED
             return True
         group = self.running.get(request_id)
@@ -277,7 +265,7 @@ class Scheduler:
         admitted: list[str] = []
         cached: list[int] = []
         while budget > 0 and self.waiting:
-            group = self.waiting[0]
+            group = self.waiting.head
             # n > max_running only after max_running was lowered while it waited: it runs
             # alone rather than never
             over = self._num_slots + group.params.n > self.max_running
@@ -378,75 +366,24 @@ class Scheduler:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _allocate(self, group: Group) -> tuple[RequestBlocks | None, ComputedBlocks]:
-        computed = NO_COMPUTED_BLOCKS
-        if group.params.prompt_logprobs is None:  # a scored prompt is computed whole
-            computed = self.kv.get_computed_blocks(group.prompt_keys, len(group.prompt))
-        blocks = self.kv.allocate_request(
-            group.prompt_keys, len(group.prompt), group.params, computed
-        )
-        return blocks, computed
-
     def _admit(self, group: Group) -> bool:
         """Admit the queue head if the KV cache manager has room for it, asking ``reclaim``
         once for what is missing; whether it was admitted."""
-        blocks, computed = self._allocate(group)
+        blocks, computed = allocate(self.kv, group)
         if blocks is None and self.reclaim is not None:
             self.reclaim(self.kv.shortage(group.blocks_needed, computed))
-            blocks, _ = self._allocate(group)
+            blocks, _ = allocate(self.kv, group)
         if blocks is None:
             return False
         self.waiting.popleft()
-        del self._waiting_ids[group.request_id]
-        self._num_waiting_samples -= group.params.n
-        group.status = SeqStatus.RUNNING
         self.running[group.request_id] = group
         self._num_slots += group.params.n
-        prefill = group.prefill
-        assert prefill is not None
-        prefill.kv = blocks.prompt
-        prefill.num_computed_tokens = group.cached_tokens = blocks.num_cached_tokens
-        seqs = [prefill]
-        if blocks.samples:  # n > 1: the children's tables fill when they fork
-            for child, child_kv in zip(group.samples, blocks.samples, strict=True):
-                child.kv = child_kv
-                seqs.append(child)
-        for seq in seqs:
-            seq.status = SeqStatus.RUNNING
+        for seq in start_running(group, blocks):
             self._seqs[seq.seq_id] = seq
         return True
 
     def _chunk(self, seq: Seq, num_tokens: int, drafts: tuple[int, ...] = ()) -> ChunkPlan:
-        start = seq.num_computed_tokens
-        end = start + num_tokens
-        if self.kv.allocate_slots(seq.kv, end + len(drafts)) is None:
-            raise RuntimeError(f"seq {seq.seq_id} outgrew its KV reservation (a scheduler bug)")
-        group = seq.group
-        samples: tuple[SampleSpec, ...] = ()
-        if end == len(seq.token_ids):
-            targets = [seq] if seq.index is not None else group.samples
-            samples = tuple(
-                SampleSpec(
-                    seq_id=s.seq_id,
-                    params=s.params,
-                    prompt_token_ids=group.prompt,
-                    output_token_ids=tuple(s.token_ids[len(group.prompt) :]),
-                )
-                for s in targets
-                if s.status is SeqStatus.RUNNING
-            )
-        top = group.params.prompt_logprobs
-        prompt = group.prompt
-        return ChunkPlan(
-            seq_id=seq.seq_id,
-            token_ids=tuple(seq.token_ids[start:end]) + drafts,
-            start_pos=start,
-            block_table=tuple(seq.kv.block_table),
-            samples=samples,
-            score_ids=() if top is None else prompt[start + 1 : min(end + 1, len(prompt))],
-            score_top=top or 0,
-            num_drafts=len(drafts),
-        )
+        return plan_chunk(self.kv, seq, num_tokens, drafts)
 
     def _fork(self, parent: Seq, child: Seq) -> None:
         prompt_len = len(child.group.prompt)

@@ -20,8 +20,8 @@ once and replays them with one call. A graph fixes every shape and address, so:
 The forward pass is :class:`~furnace_trio.runtime.model.Transformer`'s own torch path, unchanged:
 the graph is fed a :class:`~furnace_trio.runtime.step_inputs.StepInputs` whose tensors are
 views of the static buffer and whose Python context lengths all say the bucket's width.
-Steps with a prefill chunk, or more decodes than the largest batch size, run eagerly as
-before.
+Steps with a prefill chunk, or more decodes than the largest batch size, run eagerly,
+without a graph.
 
 A capture that fails (out of memory, an op that cannot be captured) is logged and turns
 the graphs off for the runner's life: every step then runs op by op, as with

@@ -57,9 +57,9 @@ class RMSNorm(nn.Module):
 
     One op (``F.rms_norm``) instead of five in float32 and eight in float16 or bfloat16,
     where torch upcasts internally: on a GPU, where a decode step's time is the number of
-    ops it launches, the two norms were over a quarter of a layer's ops. In half precision
-    torch's CPU kernel rounds once, after the weight, where Hugging Face's Llama rounds
-    before it too: the two differ by at most one unit in the last place.
+    ops it launches, a layer's two norms at five ops each would be over a quarter of its
+    ops. In half precision torch's CPU kernel rounds once, after the weight, where Hugging
+    Face's Llama rounds before it too: the two differ by at most one unit in the last place.
     """
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:

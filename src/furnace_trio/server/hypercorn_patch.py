@@ -26,7 +26,7 @@ hypercorn does.
    closes its socket, which fails the blocked write (Trio wakes a task waiting on a closed
    socket with an error; a shield does not stop that), and the worker exits.
 
-Apps other than furnace-trio's served by a patched worker are served as before.
+Apps other than furnace-trio's served by a patched worker are served as by an unpatched one.
 """
 
 from __future__ import annotations

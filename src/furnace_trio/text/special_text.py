@@ -19,7 +19,7 @@ The rendered :class:`ChatText` is then tokenized one marker-separated segment at
 with special tokens parsed as usual: the template's markers are whole inside one segment
 and become their ids, while every special-token text a client wrote is cut in two and
 becomes ordinary tokens. A conversation that holds no special-token text gets no marker,
-so it renders and tokenizes exactly as before.
+so it renders and tokenizes exactly as it would without one.
 
 What this does not cover: a template that itself edits client text (slices it, or
 replaces characters inside it) could join fragments that no marker separates; the
