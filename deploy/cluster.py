@@ -2,6 +2,7 @@
 
     python deploy/cluster.py --replicas 2                 # CPU: two replicas
     python deploy/cluster.py --gpus 0,1,2,3               # one replica per GPU
+    python deploy/cluster.py --gpus all                   # every GPU nvidia-smi lists
     python deploy/cluster.py --gpus 0,0 --kv-cache-mb 4096  # two on one GPU, half the KV each
 
 It starts ``redis-server`` (unless ``--redis-url`` names one already running), one
@@ -37,23 +38,41 @@ HYPERCORN_TOML = ROOT / "hypercorn.toml"
 
 def render_nginx(
     *,
-    prefix: Path,
+    prefix: Path | str,
     listen: str,
     replicas: Sequence[str],
     max_body: str = "4m",
     fail_timeout_s: int = 5,
+    resolver: str | None = None,
+    tries: int | None = None,
+    error_log: str | None = None,
+    access_log: str | None = None,
     template: Path = TEMPLATE,
 ) -> str:
-    """The nginx configuration for ``replicas`` (``host:port`` each)."""
+    """The nginx configuration for ``replicas`` (``host:port`` each).
+
+    With ``resolver`` (a DNS server's address), each replica is a name that nginx
+    re-resolves while it runs (``server ... resolve``, nginx 1.27.3 or later): one headless
+    Service's name stands for all its ready pods (deploy/k8s/). ``tries`` defaults to the
+    number of replicas; logs default to files under ``prefix``."""
+    resolve = " resolve" if resolver else ""
     servers = "\n        ".join(
-        f"server {address} max_fails=1 fail_timeout={fail_timeout_s}s;" for address in replicas
+        f"server {address}{resolve} max_fails=1 fail_timeout={fail_timeout_s}s;"
+        for address in replicas
     )
     values = {
         "@PREFIX@": str(prefix),
+        "@ERROR_LOG@": error_log or f"{prefix}/error.log",
+        "@ACCESS_LOG@": access_log or f"{prefix}/access.log",
         "@LISTEN@": listen,
+        "@RESOLVER@": (
+            f"resolver {resolver} valid=5s;  # re-resolve the replicas' name every 5 s"
+            if resolver
+            else "# no resolver: the replicas are addresses"
+        ),
         "@SERVERS@": servers,
         "@MAX_BODY@": max_body,
-        "@TRIES@": str(max(1, len(replicas))),
+        "@TRIES@": str(tries if tries is not None else max(1, len(replicas))),
     }
     lines = []
     for line in template.read_text().splitlines(keepends=True):
@@ -83,11 +102,18 @@ class Replica:
     def url(self) -> str:
         return f"http://{self.address}"
 
-    def start(self) -> None:
-        env = {**os.environ, **self.env}
+    def environment(self, base: Mapping[str, str]) -> dict[str, str]:
+        """The process's environment: ``base`` (the caller's), the replica's settings, and
+        for a GPU replica ``CUDA_VISIBLE_DEVICES`` (the process sees only its device, as
+        ``cuda:0``) and ``FURNACE_DEVICE=cuda`` unless a setting says otherwise."""
+        env = {**base, **self.env}
         if self.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.gpu
             env.setdefault("FURNACE_DEVICE", "cuda")
+        return env
+
+    def start(self) -> None:
+        env = self.environment(os.environ)
         command = [
             sys.executable,
             "-m",
@@ -174,6 +200,24 @@ def make_replicas(
     ]
 
 
+def gpu_list(spec: str) -> list[str]:
+    """``--gpus``: comma-separated device indices (a device named twice runs two replicas
+    on it), or ``all``: every GPU ``nvidia-smi`` lists."""
+    if spec.strip() == "all":
+        listed = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        devices = [line.strip() for line in listed.splitlines() if line.strip()]
+    else:
+        devices = [part.strip() for part in spec.split(",")]
+    if not devices or not all(d.isdigit() for d in devices):
+        raise ValueError(f"--gpus {spec!r}: device indices such as 0,1 (or all)")
+    return devices
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -181,7 +225,7 @@ def _interrupt(signum: int, frame: object) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=2, help="CPU replicas (without --gpus)")
-    parser.add_argument("--gpus", help="comma-separated CUDA devices, one replica each")
+    parser.add_argument("--gpus", help="comma-separated CUDA devices, one replica each, or all")
     parser.add_argument("--listen", default="127.0.0.1:8000", help="nginx's address")
     parser.add_argument("--base-port", type=int, default=8100, help="the first replica's port")
     parser.add_argument("--redis-port", type=int, default=6390)
@@ -200,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = {"FURNACE_SESSION_STORE": url}
     if args.kv_cache_mb:
         env["FURNACE_KV_CACHE_MB"] = str(args.kv_cache_mb)
-    gpus = args.gpus.split(",") if args.gpus else None
+    gpus = gpu_list(args.gpus) if args.gpus else None
     replicas = make_replicas(args.replicas, args.base_port, directory, env, gpus)
     nginx = None
     try:

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+from deploy.cluster import Replica
 
 from .conftest import FAIL_TIMEOUT_S, RESULTS, Cluster
 
@@ -209,29 +210,38 @@ def test_responses_continue_on_any_replica(cluster: Cluster) -> None:
         body = {"model": MODEL, "max_output_tokens": 8, "temperature": 0, **body}
         return httpx.post(f"{base}/v1/responses", json=body, headers=headers or {}, timeout=300)
 
+    def upstream(response: httpx.Response) -> str:
+        return response.headers["x-furnace-upstream"].split(", ")[-1]
+
+    # The first turn names no conversation yet: least-connections picks its replica.
     first = create(cluster.url, input="Name a fruit.")
     assert first.status_code == 200, first.text
     key = first.headers["x-session-id"]  # the conversation's routing key, echoed below
-    owner = first.headers["x-furnace-upstream"].split(", ")[-1]
-    second = create(
-        cluster.url,
-        {"X-Session-Id": key},
-        input="Another one.",
-        previous_response_id=first.json()["id"],
-    )
-    assert second.status_code == 200, second.text
-    assert second.headers["x-furnace-upstream"].split(", ")[-1] == owner
-    assert second.headers["x-session-id"] == key
-    assert second.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
-    other = cluster.other(cluster.replica_at(owner))
-    third = create(other.url, input="And a vegetable.", previous_response_id=second.json()["id"])
-    assert third.status_code == 200, third.text
-    assert third.json()["usage"]["input_tokens"] > second.json()["usage"]["input_tokens"]
-    stored = httpx.get(
-        f"{cluster.replica_at(owner).url}/v1/responses/{third.json()['id']}", timeout=30
-    )
+    # From the second turn on the client echoes the key, and the hash routes every turn
+    # to one replica (the second recomputes the conversation if that is not the first's).
+    replies = [first]
+    for text in ("Another one.", "And one more."):
+        reply = create(
+            cluster.url,
+            {"X-Session-Id": key},
+            input=text,
+            previous_response_id=replies[-1].json()["id"],
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["x-session-id"] == key
+        replies.append(reply)
+    second, third = replies[1:]
+    assert upstream(second) == upstream(third)
+    assert third.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    owner = cluster.replica_at(upstream(third))
+    # any replica continues it (from the store), and any replica finds what the other stored
+    other = cluster.other(owner)
+    fourth = create(other.url, input="And a vegetable.", previous_response_id=third.json()["id"])
+    assert fourth.status_code == 200, fourth.text
+    assert fourth.json()["usage"]["input_tokens"] > third.json()["usage"]["input_tokens"]
+    stored = httpx.get(f"{owner.url}/v1/responses/{fourth.json()['id']}", timeout=30)
     assert stored.status_code == 200
-    assert stored.json()["output"] == third.json()["output"]
+    assert stored.json()["output"] == fourth.json()["output"]
 
 
 def test_failover_continues_the_conversation(cluster: Cluster) -> None:
@@ -272,7 +282,24 @@ def test_failover_continues_the_conversation(cluster: Cluster) -> None:
     RESULTS["failover_prompt_recomputed"] = True
     owner.start()  # back for the rolling restart
     owner.wait_ready(timeout_s=600)
-    time.sleep(FAIL_TIMEOUT_S + 1)  # nginx offers it requests again
+    wait_admitted(cluster, owner)
+
+
+def wait_admitted(cluster: Cluster, replica: Replica, timeout_s: float = 300.0) -> None:
+    """Until nginx routes stateless requests to ``replica`` again.
+
+    nginx's passive checks mark a replica that refused a connection as failed; once
+    ``fail_timeout`` has passed it offers it one request at a time, and only a request that
+    completes there restores it. Until then, a stop of the other replica leaves nginx with
+    no live replica (502). So a rolling restart waits for a short request through nginx
+    to be answered by the replica it restarted before it stops the next one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply = chat(cluster.url, [{"role": "user", "content": "Hi."}], max_tokens=1)
+        if reply.status == 200 and reply.done and reply.replica == replica.address:
+            return
+        assert time.monotonic() < deadline, f"nginx never routed to {replica.address} again"
+        time.sleep(FAIL_TIMEOUT_S / 10)
 
 
 def turn_send(
@@ -321,7 +348,7 @@ def test_rolling_restart_loses_no_request(cluster: Cluster) -> None:
             replica.start()
             replica.wait_ready(timeout_s=600)
             windows.append((replica.address, down, time.monotonic()))
-            time.sleep(FAIL_TIMEOUT_S + 2)
+            wait_admitted(cluster, replica)
     finally:
         stop.set()
         for thread in threads:
