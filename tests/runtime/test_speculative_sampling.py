@@ -9,7 +9,8 @@ import torch
 
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import ChunkPlan, SampleSpec, StepPlan
-from furnace_trio.runtime.runner import accept_drafts, build_inputs, draft_specs
+from furnace_trio.runtime.runner import build_inputs
+from furnace_trio.runtime.verification import accept_drafts, draft_specs
 from furnace_trio.runtime.sampling import sample
 
 TRIALS = 40_000
