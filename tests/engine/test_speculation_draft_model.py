@@ -1,7 +1,7 @@
 """Speculative decoding with a draft model (``draft``), over the real default model: the
-default model as its own draft gives plain decoding's greedy tokens and has nearly all its
-drafts accepted; a scripted draft whose proposals are wrong still gives the same tokens;
-the draft's KV cache is given back when sequences end or are cancelled."""
+default model as its own draft gives plain decoding's greedy tokens and has every draft
+inside an answer accepted; a scripted draft whose proposals are wrong still gives the same
+tokens; the draft's KV cache is given back when sequences end or are cancelled."""
 
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ async def test_wrong_proposals_give_plain_tokens() -> None:
         assert (0 < accepted < drafted) if some_accepted else accepted == 0
 
 
-async def test_cancelled_sequences_give_back_the_drafts_cache() -> None:
+async def test_cancelled_and_sampled_sequences_give_back_the_drafts_cache() -> None:
     model = default_model()
     runner = default_runner()
     draft = DraftModel(default_runner(), model.config.vocab_size)
@@ -187,6 +187,15 @@ async def test_cancelled_sequences_give_back_the_drafts_cache() -> None:
                     if isinstance(event, Delta) and event.token_ids and draft.num_sequences:
                         break  # it has drafted: cancel it
         assert draft.num_sequences > 0
+        # a sampled request drafts too (a greedy proposal is a one-hot q), and ends normally
+        drafted = engine.statistics().spec_drafted_tokens_total
+        params = SamplingParams(max_tokens=40, temperature=0.7)
+        tokens = 0
+        async with engine.submit(GenerationRequest(prompts[0], params)) as stream:
+            async for event in stream:
+                tokens += len(event.token_ids) if isinstance(event, Delta) else 0
+        assert tokens > 0
+        assert engine.statistics().spec_drafted_tokens_total > drafted
         params = SamplingParams(max_tokens=1, temperature=0)
         async with engine.submit(GenerationRequest(prompts[0], params)) as stream:
             async for _ in stream:

@@ -29,6 +29,7 @@ for it) keeps its placeholders, which verification treats as any other drafts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,10 @@ if TYPE_CHECKING:
 __all__ = ["DraftModel", "Drafter", "check_vocabulary"]
 
 logger = logging.getLogger(__name__)
+
+#: The most tokens of one sequence a catch-up pass of the draft model runs (a prompt's
+#: first: bounds the pass's activations, as the engine's step budget bounds a prefill).
+CATCH_UP_TOKENS = 512
 
 
 class Drafter(Protocol):
@@ -101,6 +106,13 @@ class DraftModel:
         if not jobs:
             return plan
         active = {c.seq_id for c in jobs}
+        try:
+            return self._fill(plan, jobs, active)
+        except BaseException:
+            self.release(active)  # their tokens may not all have reached the cache
+            raise
+
+    def _fill(self, plan: StepPlan, jobs: list[ChunkPlan], active: set[int]) -> StepPlan:
         catch_up: list[ChunkPlan] = []
         wanted: dict[int, int] = {}
         for chunk in jobs:
@@ -117,6 +129,11 @@ class DraftModel:
             wanted[chunk.seq_id] = chunk.num_drafts
         if not catch_up:
             return plan
+        # a long catch-up (a prompt) runs its leading tokens a bounded piece at a time
+        while any(len(c.token_ids) > CATCH_UP_TOKENS for c in catch_up):
+            pieces = [_head(c) for c in catch_up if len(c.token_ids) > CATCH_UP_TOKENS]
+            self.runner.logits(StepPlan(tuple(pieces)))
+            catch_up = [_tail(c) if len(c.token_ids) > CATCH_UP_TOKENS else c for c in catch_up]
         proposals: dict[int, list[int]] = {c.seq_id: [] for c in catch_up}
         chunks = catch_up
         while chunks:
@@ -159,6 +176,18 @@ class DraftModel:
         for _ in range(need):
             cached.blocks.append(self._free.pop())
         return cached
+
+
+def _head(chunk: ChunkPlan) -> ChunkPlan:
+    return dataclasses.replace(chunk, token_ids=chunk.token_ids[:CATCH_UP_TOKENS])
+
+
+def _tail(chunk: ChunkPlan) -> ChunkPlan:
+    return dataclasses.replace(
+        chunk,
+        token_ids=chunk.token_ids[CATCH_UP_TOKENS:],
+        start_pos=chunk.start_pos + CATCH_UP_TOKENS,
+    )
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

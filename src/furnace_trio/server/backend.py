@@ -161,7 +161,10 @@ def load_draft(
     from furnace_trio.runtime.kv_cache import KVCache
     from furnace_trio.runtime.runner import ModelRunner
 
-    draft = load_model(path)
+    try:
+        draft = load_model(path)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"FURNACE_SPECULATIVE's draft model: {exc}") from None
     check_vocabulary(served, draft)
     per_block = KVCache.bytes_per_block(draft.config, runner.block_size, runner.kv_dtype)
     draft_settings = dataclasses.replace(
