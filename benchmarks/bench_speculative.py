@@ -12,7 +12,12 @@ one runner (so the prefix cache starts empty for both), and the rounds repeat: A
 interleaved in one process, so the ratios hold on a shared machine where absolute figures
 do not. The greedy texts of off and on are compared (they must be identical).
 
-    python benchmarks/bench_speculative.py [--rounds 3] [--quick]
+``--draft PATH`` adds ``draft:PATH`` (a draft model with the default model's tokenizer;
+``default``: the default model drafting for itself, which accepts nearly every draft and
+so shows what drafting with a model costs); ``--methods`` picks the methods compared with
+``off``.
+
+    python benchmarks/bench_speculative.py [--rounds 3] [--quick] [--draft PATH|default]
 """
 
 from __future__ import annotations
@@ -21,20 +26,22 @@ import argparse
 import gc
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import trio
 from _common import PROMPTS, machine
 
 from furnace_trio.core.params import SamplingParams
+from furnace_trio.core.plan import StepPlan
 from furnace_trio.engine import Delta, Engine, GenerationRequest
 from furnace_trio.engine.model_thread import ModelThread
+from furnace_trio.loading.default_model import default_model_path
 from furnace_trio.loading.loader import LoadedModel, load_model
+from furnace_trio.runtime.draft import Drafter
 from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
-from furnace_trio.server.backend import build_engine
+from furnace_trio.server.backend import build_engine, load_draft
 from furnace_trio.server.config import ServerConfig
-
-METHODS = ("off", "ngram")
 
 PARAGRAPHS = (
     (
@@ -84,6 +91,24 @@ def chat_messages() -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": p}] for p in PROMPTS]
 
 
+class TimedDrafter:
+    """A drafter that adds up the time its proposals take (on the model thread)."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+
+    def fill(self, plan: StepPlan) -> StepPlan:
+        start = time.perf_counter()
+        try:
+            return self.inner.fill(plan)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        self.inner.release(seq_ids)
+
+
 @dataclass
 class Run:
     tokens: int
@@ -92,10 +117,15 @@ class Run:
     drafted: int
     accepted: int
     texts: dict[int, list[int]]
+    draft_seconds: float = 0.0  # of ``seconds``, the draft model's proposals
 
 
 async def run_workload(
-    engine: Engine, prompts: list[tuple[int, ...]], streams: int, max_tokens: int
+    engine: Engine,
+    prompts: list[tuple[int, ...]],
+    streams: int,
+    max_tokens: int,
+    drafter: TimedDrafter | None = None,
 ) -> Run:
     """Every prompt once, ``streams`` at a time (closed loop), greedy."""
     texts: dict[int, list[int]] = {}
@@ -112,6 +142,7 @@ async def run_workload(
                         out.extend(event.token_ids)
 
     before = engine.statistics()
+    drafting = drafter.seconds if drafter is not None else 0.0
     start = time.perf_counter()
     async with trio.open_nursery() as workers:
         for _ in range(streams):
@@ -125,6 +156,7 @@ async def run_workload(
         after.spec_drafted_tokens_total - before.spec_drafted_tokens_total,
         after.spec_accepted_tokens_total - before.spec_accepted_tokens_total,
         texts,
+        drafter.seconds - drafting if drafter is not None else 0.0,
     )
 
 
@@ -134,19 +166,34 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one round, fewer prompts")
     parser.add_argument("--tokens", type=int, default=16, help="FURNACE_SPECULATIVE_TOKENS")
     parser.add_argument("--only", default="", help="run the workloads whose name has this")
+    parser.add_argument("--draft", help="also draft:PATH (`default`: the default model)")
+    parser.add_argument(
+        "--methods", help="methods besides off, comma-separated (default: ngram and draft)"
+    )
     args = parser.parse_args()
     rounds = 1 if args.quick else args.rounds
+    methods = ["ngram", *(["draft"] if args.draft else [])]
+    if args.methods:
+        methods = args.methods.split(",")
+    methods = ["off", *(m for m in methods if m != "off")]
 
     loaded: LoadedModel = load_model(None)
     settings = RunnerConfig(device="cpu", quantization="auto", kv_cache_bytes=256 << 20)
     tok = loaded.tokenizer
+    draft_path = str(default_model_path()) if args.draft == "default" else args.draft
     # One engine per method, each with a runner (KV cache) and model thread of its own
     # (an engine's model thread ends with it), both alive for the whole run.
     engines: dict[str, Engine] = {}
-    for method in METHODS:
+    drafter: TimedDrafter | None = None
+    for method in methods:
         thread = ModelThread()
         runner = thread.call(ModelRunner.from_loaded, loaded, settings)
-        config = ServerConfig(speculative=method, speculative_tokens=args.tokens)
+        setting = method
+        if method == "draft":
+            setting = f"draft:{draft_path}"
+            draft = thread.call(load_draft, runner, loaded, draft_path, settings)
+            runner.drafter = drafter = TimedDrafter(draft)
+        config = ServerConfig(speculative=setting, speculative_tokens=args.tokens)
         engines[method] = build_engine(runner, tok, config, "cpu", thread)
 
     def ids(messages: list[dict[str, str]]) -> tuple[int, ...]:
@@ -172,7 +219,8 @@ def main() -> None:
             for r in range(rounds):
                 for name, (prompts, streams, max_tokens) in workloads.items():
                     for method, engine in engines.items():
-                        run = await run_workload(engine, prompts, streams, max_tokens)
+                        timed = drafter if method == "draft" else None
+                        run = await run_workload(engine, prompts, streams, max_tokens, timed)
                         totals[(name, method)].append(run)
                         print(
                             f"round {r + 1} {name} {method}: {run.tokens} tokens "
@@ -185,23 +233,31 @@ def main() -> None:
     gc.collect()
     gc.freeze()
     trio.run(measure)
-    print(f"\n{machine()}, {rounds} round(s) interleaved off/on\n")
+    print(f"\n{machine()}, {rounds} round(s) interleaved {'/'.join(methods)}\n")
     print(
-        "| workload | off tok/s | ngram tok/s | ratio | tokens/step off -> on | accepted | same text |"
+        "| workload | method | off tok/s | on tok/s | ratio | tokens/step off -> on "
+        "| accepted | same text |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in workloads:
-        off, on = totals[(name, "off")], totals[(name, "ngram")]
-        rate = [sum(x.tokens for x in runs) / sum(x.seconds for x in runs) for runs in (off, on)]
-        per_step = [sum(x.tokens for x in runs) / sum(x.steps for x in runs) for runs in (off, on)]
-        drafted = sum(x.drafted for x in on)
-        accepted = sum(x.accepted for x in on)
-        same = all(a.texts == b.texts for a, b in zip(off, on, strict=True))
-        share = f"{accepted}/{drafted}" if drafted else "-"
-        print(
-            f"| {name} | {rate[0]:.1f} | {rate[1]:.1f} | {rate[1] / rate[0]:.2f}x | "
-            f"{per_step[0]:.2f} -> {per_step[1]:.2f} | {share} | {'yes' if same else 'NO'} |"
-        )
+        for method in methods[1:]:
+            off, on = totals[(name, "off")], totals[(name, method)]
+            rate = [sum(x.tokens for x in r) / sum(x.seconds for x in r) for r in (off, on)]
+            per_step = [sum(x.tokens for x in r) / sum(x.steps for x in r) for r in (off, on)]
+            drafted = sum(x.drafted for x in on)
+            accepted = sum(x.accepted for x in on)
+            same = all(a.texts == b.texts for a, b in zip(off, on, strict=True))
+            share = f"{accepted}/{drafted}" if drafted else "-"
+            print(
+                f"| {name} | {method} | {rate[0]:.1f} | {rate[1]:.1f} | "
+                f"{rate[1] / rate[0]:.2f}x | {per_step[0]:.2f} -> {per_step[1]:.2f} | "
+                f"{share} | {'yes' if same else 'NO'} |"
+            )
+    for name in workloads:
+        if "draft" in methods:
+            runs = totals[(name, "draft")]
+            share = sum(x.draft_seconds for x in runs) / sum(x.seconds for x in runs)
+            print(f"\n{name}, draft: the draft model's proposals took {share:.0%} of the time")
 
 
 if __name__ == "__main__":

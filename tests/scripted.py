@@ -92,6 +92,9 @@ class ScriptedRunner:
         self.released: set[int] = set()
         #: Prompt scores by prompt sequence (see prompt_score), as the runner keeps them.
         self.scores: dict[int, list[SampledToken]] = {}
+        #: A draft model's stand-in (``FURNACE_SPECULATIVE=draft``): given a sequence's
+        #: tokens and ``k``, its ``k`` proposals, which replace a drafted chunk's drafts.
+        self.drafter: Callable[[tuple[int, ...], int], Sequence[int]] | None = None
 
     @property
     def block_size(self) -> int:
@@ -118,6 +121,17 @@ class ScriptedRunner:
         if self.sleep is not None:
             time.sleep(self.sleep)
         bs = self._block_size
+        if self.drafter is not None:
+            plan = plan.with_drafts(
+                {
+                    c.seq_id: self.drafter(
+                        c.samples[0].prompt_token_ids + c.samples[0].output_token_ids,
+                        c.num_drafts,
+                    )
+                    for c in plan.chunks
+                    if c.num_drafts
+                }
+            )
         for src, dst in plan.block_copies:
             self.kv[dst] = list(self.kv[src])
         for chunk in plan.chunks:
@@ -140,7 +154,11 @@ class ScriptedRunner:
                     raise KVMismatch(f"seq {spec.seq_id}: cache {context} != {expected}")
                 index = self._sample_index.setdefault(spec.seq_id, i)
                 if chunk.num_drafts:
-                    out.extend(self._verify(spec, index, chunk.draft_token_ids))
+                    verified = self._verify(spec, index, chunk.draft_token_ids)
+                    if self.drafter is not None:
+                        proposed = chunk.draft_token_ids
+                        verified[0] = dataclasses.replace(verified[0], proposed=proposed)
+                    out.extend(verified)
                     continue
                 token = self._sample(spec, index)
                 if spec.params.prompt_logprobs is not None and not spec.output_token_ids:

@@ -11,7 +11,7 @@ from furnace_trio.engine import EngineConfig, GenerationRequest
 from furnace_trio.engine.sequence import Seq, new_group
 from furnace_trio.engine.speculation import SpeculationConfig, Speculator
 
-from ..scripted import EOS, ScriptedRunner, encode
+from ..scripted import EOS, FILLER, ScriptedRunner, encode
 from .harness import Outcome, collect, collect_all, request, serving
 
 SPEC = EngineConfig(speculation=SpeculationConfig(method="ngram"))
@@ -213,6 +213,42 @@ async def test_cancelling_while_speculating_frees_everything() -> None:
         assert stats.requests["aborted"] == 1
 
 
+async def test_a_draft_models_proposals_are_verified_and_leave_nothing_behind() -> None:
+    """``draft``: the engine plans placeholder drafts, the runner's draft model replaces
+    them (here: the script's tokens, with every fourth one wrong). The output is plain
+    decoding's; the scripted runner reads every context back through the block tables, so
+    a placeholder or rejected draft left in the KV or the prefix cache would fail a step
+    (the second request reuses the first one's cached blocks)."""
+    script = _script(EDITED)
+    right = script[encode(PROMPT)]
+
+    def drafter(context: tuple[int, ...], k: int) -> list[int]:
+        done = len(context) - len(encode(PROMPT))
+        tokens = [*right, *[FILLER] * k][done : done + k]
+        return [t + 1 if (done + i) % 4 == 3 else t for i, t in enumerate(tokens)]
+
+    def make() -> list[GenerationRequest]:
+        return [request(PROMPT, max_tokens=200, temperature=0)]
+
+    off, _ = await _run(OFF, script, *make(), *make())
+    runner = ScriptedRunner(script, block_size=4)
+    runner.drafter = drafter
+    config = EngineConfig(speculation=SpeculationConfig(method="draft"))
+    async with serving(runner, config) as engine:
+        first = await collect(engine.submit(make()[0]))
+        second_out = await collect(engine.submit(make()[0]))
+        stats = await engine.wait_statistics(lambda s: s.idle)
+        assert stats.leaks() == []
+    _same(off, [first, second_out])
+    placeholders = [c for p in runner.plans for c in p.chunks if c.num_drafts]
+    assert placeholders
+    # the engine's drafts are placeholders: the last token repeated
+    assert all(len(set(c.token_ids)) == 1 for c in placeholders)
+    finished = first.finished[0]
+    assert 0 < finished.accepted_tokens < finished.drafted_tokens
+    assert stats.prefix_cache_hits_total > 0
+
+
 def test_answers_reject_tokens_that_were_not_drafted() -> None:
     from furnace_trio.core.plan import ChunkPlan, SampleSpec, StepPlan
     from furnace_trio.engine.speculation import answers
@@ -224,6 +260,18 @@ def test_answers_reject_tokens_that_were_not_drafted() -> None:
         [SampledToken(0, 5), SampledToken(0, 9)],  # 5 was not the draft
         [SampledToken(0, 2), SampledToken(0, 3), SampledToken(0, 4), SampledToken(0, 4)],
         [],
+    ):
+        try:
+            answers(plan, bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {bad}")
+    # a runner that proposed the drafts itself: checked against its proposals
+    own = SampledToken(0, 7, proposed=(7, 8))
+    assert len(answers(plan, [own, SampledToken(0, 8), SampledToken(0, 1)])[0]) == 3
+    for bad in (
+        [SampledToken(0, 7, proposed=(7,))],  # one proposal for two drafts
+        [SampledToken(0, 7, proposed=(6, 8)), SampledToken(0, 1)],  # 7 was not proposed
     ):
         try:
             answers(plan, bad)

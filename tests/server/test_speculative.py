@@ -105,7 +105,10 @@ def test_the_setting() -> None:
         {"FURNACE_SPECULATIVE": "NGRAM", "FURNACE_SPECULATIVE_TOKENS": "5"}
     )
     assert (config.speculative, config.speculative_tokens) == ("ngram", 5)
-    for value in ("draft:/models/small.gguf", "mtp", "on"):
+    # a draft model's path keeps its case
+    draft = ServerConfig.from_env({"FURNACE_SPECULATIVE": " Draft:/Models/Small.gguf "})
+    assert draft.speculative == "draft:/Models/Small.gguf"
+    for value in ("draft:", "draft: ", "mtp", "on"):
         with pytest.raises(ConfigError, match="FURNACE_SPECULATIVE"):
             ServerConfig.from_env({"FURNACE_SPECULATIVE": value})
     with pytest.raises(ConfigError, match="FURNACE_SPECULATIVE_MAX_BATCH"):

@@ -15,6 +15,8 @@ offset ``p % block_size``::
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,6 +60,10 @@ class ChunkPlan:
     returns the sample's tokens in order: the drafts it accepted (a prefix of them, each
     the token it drew at that position) and then one token it drew itself, so between 1
     and ``num_drafts + 1`` tokens. The sample's ``output_token_ids`` do not hold the drafts.
+    A runner with a draft model (``FURNACE_SPECULATIVE=draft:<path>``) proposes the drafts
+    itself: the plan's are placeholders that it replaces before running the chunk (see
+    :meth:`StepPlan.with_drafts`), and the first token it returns for the chunk carries
+    the drafts it verified (:attr:`SampledToken.proposed`).
     """
 
     seq_id: int
@@ -93,6 +99,22 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.chunks)
 
+    def with_drafts(self, proposals: Mapping[int, Sequence[int]]) -> StepPlan:
+        """This plan with the drafts of the chunks named in ``proposals`` (by seq id)
+        replaced by the proposed tokens, as many as the chunk has drafts."""
+        chunks = []
+        for chunk in self.chunks:
+            drafts = proposals.get(chunk.seq_id)
+            if drafts is not None and chunk.num_drafts:
+                if len(drafts) != chunk.num_drafts:
+                    raise ValueError(
+                        f"{len(drafts)} drafts for the {chunk.num_drafts} of seq {chunk.seq_id}"
+                    )
+                kept = chunk.token_ids[: len(chunk.token_ids) - chunk.num_drafts]
+                chunk = dataclasses.replace(chunk, token_ids=kept + tuple(drafts))
+            chunks.append(chunk)
+        return dataclasses.replace(self, chunks=tuple(chunks))
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
@@ -111,6 +133,9 @@ class SampledToken:
     #: With ``prompt_logprobs``, on the first token of each sample: every prompt token
     #: after the first, scored (``seq_id`` is the prompt's sequence).
     prompt_logprobs: tuple[SampledToken, ...] | None = None
+    #: On the first token of a drafted chunk: the drafts the runner verified (set by every
+    #: runner that computes them itself; ``()`` means the plan's).
+    proposed: tuple[int, ...] = ()
 
 
 class StepRunner(Protocol):

@@ -17,6 +17,15 @@ everything before them (prompt and output), and the tokens that followed their l
 occurrence are proposed. An index of every n-gram's latest position grows by the new
 tokens only, so a lookup costs a few dict probes, not a scan of the context.
 
+With a **draft model** (``draft``), the engine only decides which sequences draft and how
+many positions (it reserves their KV): their drafts are placeholders (the last token
+repeated), and the runner's draft model, a smaller model with the same vocabulary,
+replaces them with its greedy proposals before the verifying forward pass
+(``runtime/draft.py``); the runner returns what it proposed with the verified tokens
+(:attr:`~furnace_trio.core.plan.SampledToken.proposed`). A greedy proposal is a
+deterministic one (its distribution ``q`` is one-hot), so the same rejection rule keeps
+sampled output distributed as without speculation.
+
 Per sequence, the draft length adapts: it starts short (a wrong guess costs a row of
 compute per draft), doubles while every draft is accepted and shrinks to what was
 accepted otherwise; a step that accepts nothing makes the sequence
@@ -53,8 +62,8 @@ if TYPE_CHECKING:
 
 __all__ = ["METHODS", "DraftState", "SpeculationConfig", "Speculator", "answers", "until_end"]
 
-#: What ``FURNACE_SPECULATIVE`` may name.
-METHODS = ("off", "ngram")
+#: How drafts are made: none, prompt lookup, or the runner's draft model.
+METHODS = ("off", "ngram", "draft")
 
 #: The longest run of steps a sequence whose drafts keep missing sits out.
 MAX_SIT_OUT = 32
@@ -144,6 +153,8 @@ class Speculator:
         if limit <= 0:
             return ()
         tokens = seq.token_ids
+        if self.config.method == "draft":  # placeholders: the runner's draft model fills them
+            return (tokens[-1],) * limit
         end = len(tokens)
         index = state.index
         low, high = self.config.ngram_min, self.config.ngram_max
@@ -203,7 +214,8 @@ class Speculator:
 
 def answers(plan: StepPlan, sampled: Sequence[SampledToken]) -> dict[int, list[SampledToken]]:
     """The runner's tokens by seq id, checked against ``plan``: one per sample, or for a
-    drafted chunk between 1 and ``num_drafts + 1``, all but the last its drafts. Raises
+    drafted chunk between 1 and ``num_drafts + 1``, all but the last its drafts (the
+    plan's, or those the runner proposed itself, on the first token). Raises
     ``ValueError`` when they do not answer the plan."""
     by_seq: dict[int, list[SampledToken]] = {}
     for token in sampled:
@@ -216,7 +228,9 @@ def answers(plan: StepPlan, sampled: Sequence[SampledToken]) -> dict[int, list[S
             most = chunk.num_drafts + 1
             if tokens is None or not 1 <= len(tokens) <= most:
                 raise ValueError(f"the runner returned no answer fitting sample {spec.seq_id}")
-            drafts = chunk.draft_token_ids
+            drafts = tokens[0].proposed or chunk.draft_token_ids
+            if len(drafts) != chunk.num_drafts:
+                raise ValueError(f"the runner proposed {len(drafts)} of {chunk.num_drafts} drafts")
             if any(t.token_id != d for t, d in zip(tokens[:-1], drafts, strict=False)):
                 raise ValueError(
                     f"the runner accepted tokens that sample {spec.seq_id} did not draft"

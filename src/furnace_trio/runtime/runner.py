@@ -15,6 +15,7 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,10 @@ from furnace_trio.runtime.native.config import DEFAULT_NATIVE_CONFIG, NativeConf
 from furnace_trio.runtime.quant import resolve_quantization
 from furnace_trio.runtime.sampling import GeneratorStore, sample, token_logprobs
 from furnace_trio.runtime.step_inputs import StepInputs
+from furnace_trio.runtime.verification import accept_drafts, draft_specs
+
+if TYPE_CHECKING:
+    from furnace_trio.runtime.draft import Drafter
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +200,9 @@ class ModelRunner:
                 capture=self.device.type == "cuda",
             )
         self.generators = GeneratorStore(self.device)
+        #: Speculative decoding's draft model (runtime/draft.py): it replaces the drafts of
+        #: every drafted chunk with its own proposals before the forward pass.
+        self.drafter: Drafter | None = None
         # Scores of prompts being prefilled, by prompt sequence (see ChunkPlan.score_ids).
         self._prompt_scores: dict[int, list[SampledToken]] = {}
         logger.info(
@@ -236,6 +244,9 @@ class ModelRunner:
                 self.generators.release(seq_id)
                 self._prompt_scores.pop(seq_id, None)
             self.cache.copy_blocks(plan.block_copies)
+            if self.drafter is not None:
+                self.drafter.release(plan.released)
+                plan = self.drafter.fill(plan)
             if not plan.chunks:
                 return []
             if self._experts is not None:
@@ -271,7 +282,7 @@ class ModelRunner:
             sampled = sample(logits, specs, generators, self._kernels)
             if self._prompt_scores:  # a scored prompt's first tokens carry its scores
                 self._with_prompt_scores(plan, sampled)
-            return accept_drafts(plan, sampled)
+            return accept_drafts(plan, sampled, proposed=self.drafter is not None)
 
     def _score(self, chunk: ChunkPlan, logits: torch.Tensor) -> None:
         """Keep the logprobs of the prompt tokens that ``chunk``'s positions predict (and
@@ -365,49 +376,6 @@ class ModelRunner:
             plan, self.block_size, self.device, all_rows=all_rows, split_upto=self._split_upto
         )
         return self.model(inputs, self.cache)
-
-
-def draft_specs(chunk: ChunkPlan) -> list[SampleSpec]:
-    """The sample specs of a chunk's draft positions: one per position from its last real
-    token on, each with the drafts before it as output, so that penalties and the
-    position's draw see the sequence as plain decoding would have had it there."""
-    spec = chunk.samples[0]
-    drafts = chunk.draft_token_ids
-    out = spec.output_token_ids
-    return [
-        dataclasses.replace(spec, output_token_ids=out + drafts[:i]) for i in range(len(drafts) + 1)
-    ]
-
-
-def accept_drafts(plan: StepPlan, sampled: list[SampledToken]) -> list[SampledToken]:
-    """The tokens of a step's samples with draft positions cut down to what verification
-    keeps: for each drafted chunk the drawn tokens up to and including the first one that
-    differs from its draft (all of them when every draft matched).
-
-    Each position's token was drawn from the model's distribution at that position given
-    the drafts before it, independently. Keeping draft ``i`` exactly when the draw there
-    equals it accepts it with probability ``p_i(draft)``, and the first differing draw is
-    a sample of ``p_i`` without the draft, renormalized: the standard rejection rule for a
-    deterministic proposal, so the tokens are distributed as plain decoding's. Greedy
-    rows draw the argmax, so greedy output is plain decoding's token for token.
-    """
-    if not any(chunk.num_drafts for chunk in plan.chunks):
-        return sampled
-    out: list[SampledToken] = []
-    at = 0
-    for chunk in plan.chunks:
-        rows = sampled[at : at + len(chunk.samples) + chunk.num_drafts]
-        at += len(rows)
-        if not chunk.num_drafts:
-            out.extend(rows)
-            continue
-        kept = 1
-        for token, draft in zip(rows, chunk.draft_token_ids, strict=False):
-            if token.token_id != draft:
-                break
-            kept += 1
-        out.extend(rows[:kept])
-    return out
 
 
 def _scores(plan: StepPlan) -> bool:

@@ -6,6 +6,7 @@ worker thread before serving.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -17,9 +18,12 @@ from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.loading.generation_defaults import NO_GENERATION_DEFAULTS, GenerationDefaults
 from furnace_trio.loading.tokenizer import Tokenizer
 from furnace_trio.server.config import ServerConfig
+from furnace_trio.server.config_env import draft_model_path
 from furnace_trio.tools.grammar import GrammarCompiler
 
 if TYPE_CHECKING:
+    from furnace_trio.loading.loader import LoadedModel
+    from furnace_trio.runtime.draft import DraftModel
     from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
 
 logger = logging.getLogger(__name__)
@@ -99,7 +103,7 @@ def engine_config(config: ServerConfig, device_type: str) -> EngineConfig:
         max_response_bytes=config.max_response_bytes,
         target_itl_ms=config.target_itl_ms,
         speculation=SpeculationConfig(
-            method=config.speculative,
+            method="draft" if draft_model_path(config.speculative) else config.speculative,
             max_drafts=config.speculative_tokens,
             max_batch=config.speculative_max_batch,
         ),
@@ -145,9 +149,39 @@ def runner_config(config: ServerConfig, device: str, device_type: str) -> Runner
     )
 
 
+def load_draft(
+    runner: ModelRunner, served: LoadedModel, path: str, settings: RunnerConfig
+) -> DraftModel:
+    """The draft model at ``path`` for ``runner``, which serves ``served``: its vocabulary
+    checked against the served model's (:class:`UnsupportedModelError` naming both), run
+    with ``settings`` (as the served model is) and a KV cache of as many blocks as the
+    runner's, at most its context. Call it on the model thread."""
+    from furnace_trio.loading.loader import load_model
+    from furnace_trio.runtime.draft import DraftModel, check_vocabulary
+    from furnace_trio.runtime.kv_cache import KVCache
+    from furnace_trio.runtime.runner import ModelRunner
+
+    try:
+        draft = load_model(path)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"FURNACE_SPECULATIVE's draft model: {exc}") from None
+    check_vocabulary(served, draft)
+    per_block = KVCache.bytes_per_block(draft.config, runner.block_size, runner.kv_dtype)
+    draft_settings = dataclasses.replace(
+        settings,
+        kv_cache_bytes=runner.num_blocks * per_block,
+        max_context=runner.max_context,
+        cuda_graphs=False,  # the draft runs with logits(), never from a graph
+    )
+    draft_runner = ModelRunner.from_loaded(draft, draft_settings)
+    warm_up(draft_runner, 1)
+    logger.info("speculative decoding: drafts from %s (%s)", draft.name, draft.source)
+    return DraftModel(draft_runner, served.config.vocab_size)
+
+
 def load_backend(config: ServerConfig) -> Backend:
     """Load the configured model (default: the embedded SmolLM2) and build its engine."""
-    from furnace_trio.loading.loader import LoadedModel, load_model
+    from furnace_trio.loading.loader import load_model
     from furnace_trio.runtime.runner import ModelRunner, resolve_device
 
     started = time.monotonic()
@@ -158,6 +192,9 @@ def load_backend(config: ServerConfig) -> Backend:
         loaded = load_model(config.model)
         runner = ModelRunner.from_loaded(loaded, settings)
         warm_up(runner, engine_config(config, device.type).max_running)
+        draft_path = draft_model_path(config.speculative)
+        if draft_path is not None:
+            runner.drafter = load_draft(runner, loaded, draft_path, settings)
         return loaded, runner
 
     # Loading, warm-up and every step on one thread: see model_thread.py.

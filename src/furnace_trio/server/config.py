@@ -291,8 +291,10 @@ class ServerConfig:
         metadata=setting(
             "FURNACE_SPECULATIVE",
             "Speculative decoding: `ngram` drafts next tokens from the prompt and output so far "
-            "(prompt lookup) and verifies them in one step; greedy output is unchanged token for "
-            "token, sampling keeps its distribution; `off` ([speculative decoding](speculative.md)).",
+            "(prompt lookup) and verifies them in one step; `draft:<path>` drafts them with a "
+            "smaller model of the same tokenizer (a GGUF file or Hugging Face directory, as "
+            "`FURNACE_MODEL`); greedy output is unchanged token for token, sampling keeps its "
+            "distribution; `off` ([speculative decoding](speculative.md)).",
         ),
     )
     speculative_tokens: int = field(

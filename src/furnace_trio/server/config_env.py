@@ -17,6 +17,7 @@ from furnace_trio.server.config_values import (
     LOG_LEVELS,
     QUANTIZATIONS,
     SESSION_STORE_SCHEMES,
+    SPECULATIVE_DRAFT,
     SPECULATIVE_METHODS,
     TOOL_PARSERS,
     ConfigError,
@@ -168,10 +169,10 @@ def check_values(config: ServerConfig) -> None:
             "FURNACE_SESSION_STORE must be a URL starting with "
             f"{' or '.join(SESSION_STORE_SCHEMES)}, got {config.session_store!r}"
         )
-    if config.speculative not in SPECULATIVE_METHODS:
+    if config.speculative not in SPECULATIVE_METHODS and not draft_model_path(config.speculative):
         raise ConfigError(
-            f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
-            f"got {config.speculative!r}"
+            f"speculative must be one of {', '.join(SPECULATIVE_METHODS)} or "
+            f"{SPECULATIVE_DRAFT}<path>, got {config.speculative!r}"
         )
     if config.target_itl_ms is not None and not 0 < config.target_itl_ms < float("inf"):
         raise ConfigError("target_itl_ms must be a finite number > 0")
@@ -198,14 +199,24 @@ def check_values(config: ServerConfig) -> None:
 
 
 def _speculative(environ: Mapping[str, str]) -> str | None:
-    """``FURNACE_SPECULATIVE``: a method of :data:`SPECULATIVE_METHODS`, or unset."""
-    value = environ.get("FURNACE_SPECULATIVE", "").strip().lower()
+    """``FURNACE_SPECULATIVE``: a method of :data:`SPECULATIVE_METHODS` (any case), or
+    ``draft:<path>`` (the path as given), or unset."""
+    value = environ.get("FURNACE_SPECULATIVE", "").strip()
     if not value:
         return None
-    if value not in SPECULATIVE_METHODS:
-        hint = " (draft models are not supported)" if value.startswith("draft:") else ""
+    method, _, path = value.partition(":")
+    if method.lower() == SPECULATIVE_DRAFT[:-1] and path.strip():
+        return SPECULATIVE_DRAFT + path.strip()
+    if value.lower() not in SPECULATIVE_METHODS:
         raise ConfigError(
-            f"FURNACE_SPECULATIVE must be one of {', '.join(SPECULATIVE_METHODS)}, "
-            f"got {value!r}{hint}"
+            f"FURNACE_SPECULATIVE must be one of {', '.join(SPECULATIVE_METHODS)} or "
+            f"{SPECULATIVE_DRAFT}<path of a model with the same tokenizer>, got {value!r}"
         )
-    return value
+    return value.lower()
+
+
+def draft_model_path(speculative: str) -> str | None:
+    """The draft model's path of a ``FURNACE_SPECULATIVE`` value, ``None`` for a method."""
+    if speculative.startswith(SPECULATIVE_DRAFT):
+        return speculative[len(SPECULATIVE_DRAFT) :].strip() or None
+    return None

@@ -26,6 +26,8 @@ TOOL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3", "mistral")
 SESSION_STORE_SCHEMES: tuple[str, ...] = ("redis://", "rediss://", "unix://")
 #: Speculative decoding (``FURNACE_SPECULATIVE``), as furnace_trio.engine.speculation.METHODS.
 SPECULATIVE_METHODS: tuple[str, ...] = ("off", "ngram")
+#: ``FURNACE_SPECULATIVE=draft:<path>``: a draft model (GGUF file or Hugging Face directory).
+SPECULATIVE_DRAFT = "draft:"
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 #: What a request may hold unsent before it pauses (``FURNACE_MAX_RESPONSE_BYTES``).
