@@ -259,6 +259,26 @@ static ALWAYS_INLINE int kq_run(const int type) {
 #endif
 }
 
+/* Quad j of a block against R rows into their runs: the first quad of a run starts them. */
+static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, const int h0,
+                                  const int H, const uint8_t *blk, const int j, const int8_t *a,
+                                  int64_t K, vp part[][PV]) {
+#if VW > 1
+    _mm_prefetch((const char *)blk + j * (kq_code_bytes(type) / 64) + W8_PREFETCH_BYTES,
+                 _MM_HINT_T0);
+#endif
+    vb wv[PV];
+    kq_codes_of(kq_extra(type), blk, j, h0, H, wv);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        const vb xb = vb_set4(a + r * K + 4 * j);
+#pragma GCC unroll 4
+        for (int v = 0; v < PV; v++)
+            if (kq_in(v, h0, H))
+                part[r][v] = first ? vp_first(wv[v], xb) : vp_dot(part[r][v], wv[v], xb);
+    }
+}
+
 /* One K-quant super-block against R rows from row 0 of a (codes, row stride K) and sums
  * (row stride groups), into tot (row stride PW), for the outputs of nibble halves h0 ..
  * h0 + H - 1 (kq_in). scv: the block's scales (vs_scale),
@@ -270,7 +290,6 @@ static ALWAYS_INLINE void kq_super_rows(const int type, const int R, const int h
                                         const int8_t *a,
                                         int64_t K, const q8k_sums *sums, int64_t groups,
                                         float *tot) {
-    const int extra = kq_extra(type);
     const int quads = type == GG_Q6_K ? 4 : 8; /* per sub-block */
     const int run = kq_run(type);
     vi acc[KQ_ROWS][PV];
@@ -282,28 +301,9 @@ static ALWAYS_INLINE void kq_super_rows(const int type, const int R, const int h
 #pragma GCC unroll 1
     for (int j0 = 0; j0 < QK / 4; j0 += run) {
         vp part[KQ_ROWS][PV];
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-            for (int v = 0; v < PV; v++)
-                if (kq_in(v, h0, H)) part[r][v] = vi_zero();
+        kq_quad(type, 1, R, h0, H, blk, j0, a, K, part);
 #pragma GCC unroll 1
-        for (int jj = 0; jj < run; jj++) {
-            const int j = j0 + jj;
-#if VW > 1
-            _mm_prefetch((const char *)blk + j * (kq_code_bytes(type) / 64) + W8_PREFETCH_BYTES,
-                         _MM_HINT_T0);
-#endif
-            vb wv[PV];
-            kq_codes_of(extra, blk, j, h0, H, wv);
-#pragma GCC unroll 8
-            for (int r = 0; r < R; r++) {
-                const vb xb = vb_set4(a + r * K + 4 * j);
-#pragma GCC unroll 4
-                for (int v = 0; v < PV; v++)
-                    if (kq_in(v, h0, H)) part[r][v] = vp_dot(part[r][v], wv[v], xb);
-            }
-        }
+        for (int j = j0 + 1; j < j0 + run; j++) kq_quad(type, 0, R, h0, H, blk, j, a, K, part);
         const vi *sc = scv + (j0 / quads) * PV;
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++)
