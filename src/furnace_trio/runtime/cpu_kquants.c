@@ -15,15 +15,18 @@
  * the rounded activations' sum for the offset term. The K-quants take llama.cpp's Q8_K
  * arrangement: one scale per row and 256 k (max|x| / 127, codes -127..127) and the integer
  * sums of the codes per 16 and per 32 k. One activation scale per super-block lets the
- * 6- or 8-bit weight scales enter the integer sum: the int16 pair sums of vpmaddubsw are
- * multiplied by the scale in vpmaddwd (which the plain dot product spends multiplying by
- * one), so a super-block costs the instructions of Q4_1's groups plus one float update per
- * row and output. The minimums (Q4_K, Q5_K) and the offset 32 (Q6_K) are integer sums of
- * the per-16/32 code sums times the per-output coefficients, also per super-block.
+ * 6- or 8-bit weight scales enter the integer sum: the products of a run of quads (vp
+ * below: up to a sub-block, as many as int16 holds) are summed per lane, in int16 from
+ * vpmaddubsw with vpaddw (in int32 with VNNI's vpdpbusd), and a run meets its sub-block's
+ * scale in one vpmaddwd (vpmulld): one multiply per 32 products and a run's one, not two.
+ * Per super-block one float update per row and output. The minimums (Q4_K, Q5_K) and the
+ * offset 32 (Q6_K) are integer sums of the per-16/32 code sums times the per-output
+ * coefficients, also per super-block.
  *
- * Bounds (no int16 saturation, no int32 overflow): a pair sum is at most 2 * 63 * 127 =
- * 16002; times a scale (|sc| <= 128) and summed over a super-block: 256 * 63 * 127 * 128
- * < 2^31.
+ * Bounds (no int16 overflow or saturation, no int32 overflow): a pair sum is at most
+ * 2 * 63 * 127 = 16002, a run's int16 sum at most 32,004 (kq_run); times a scale
+ * (|sc| <= 128) and summed over a super-block: 256 * 63 * 127 * 128 < 2^31. Every sum is
+ * exact, so the result does not depend on how the products are grouped.
  *
  * Batch invariance as the other grouped kernels: a row's codes and sums come from that row
  * alone, integer sums are exact, and each (row, output) total is updated once per block in
@@ -31,25 +34,22 @@
  *
  * Loop order: per panel, block by block, all row blocks of a block before the next (its
  * weights read from memory once, then from L1: with many rows the kernel is bound by
- * arithmetic, not by memory), with the totals of every row in a per-thread buffer. */
+ * arithmetic, not by memory), with the totals of every row in a per-thread buffer. A
+ * register block is KQ_ROWS rows against half the panel's outputs (a block's codes are
+ * unpacked once per four rows); a single row takes the whole panel in one pass. */
 
 /* ggml's type numbers (gguf.GGMLQuantizationType). */
 enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14 };
 #define QK 256
-/* Rows per register block of the K-quant kernels. */
 /* Rows per register block of the K-quant kernels and the nibble halves (pairs of code
- * vectors, 1 or PV / 2) each pass over a block covers: with AVX2's 16 registers, four rows
- * against half a panel (8 run sums, 2 code vectors, the broadcasts); with AVX-512's 32,
- * four rows against the whole panel. (Overridable with -D for measurements.) */
+ * vectors, 1 or PV / 2) each pass over a block covers: four rows against half a panel (8
+ * run sums and 8 totals, 2 code vectors, the broadcasts: within AVX2's 16 registers); one
+ * row alone against the whole panel. (Overridable with -D for measurements.) */
 #ifndef KQ_ROWS
 #define KQ_ROWS 4
 #endif
 #ifndef KQ_HALVES
-#if VW == 8
 #define KQ_HALVES 1
-#else
-#define KQ_HALVES (PV / 2)
-#endif
 #endif
 
 /* Integer helpers: vi_u8 / vi_i8 widen VW bytes to int32 lanes; vi_pack2 packs two int16
