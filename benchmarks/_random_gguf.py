@@ -21,11 +21,11 @@ from gguf import GGMLQuantizationType as T
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _model_shapes import MODELS, SHAPES  # noqa: E402
-from runtime.test_blocks import random_blocks  # noqa: E402
+from _model_shapes import MODELS, SHAPES
 
-from furnace_trio.loading.default_model import default_model_path  # noqa: E402
-from furnace_trio.loading.gguf_file import read_gguf  # noqa: E402
+from furnace_trio.loading.default_model import default_model_path
+from furnace_trio.loading.gguf_file import read_gguf
+from runtime.test_blocks import random_blocks
 
 
 def _more_bits(i: int, n: int) -> bool:

@@ -2,15 +2,16 @@
 
 Both ``cpu_kernels.c`` builds (the working tree's and ``--base``'s, compiled with the same
 flags into a temporary directory) are loaded side by side through ctypes and called on the
-same packed weights (random valid blocks) and inputs (in turn from copies of 160 MiB in all, so that the weight comes from
-memory, not the caches), call by call alternating: on shared
-cores only ratios measured this way mean anything. Shapes are the 1B Llama's (out x in): q/o
-2048x2048, gate/up 8192x2048 (fused: 16384x2048), down 2048x8192 and the 49,152-row LM head,
-at 1 and 16 rows. Reports per kernel the best call, new / old speed from
-the best calls and as the median of the paired calls' ratios, and whether the two
+same packed weights (random valid blocks) and inputs, call by call alternating: on shared
+cores only ratios measured this way mean anything. One row reads its weight from memory
+(copies of 160 MiB in all, called in turn), as a model's decode step does. Shapes are the
+1B Llama's (out x in): q/o 2048x2048, gate/up fused 16384x2048, down 2048x8192 and the
+49,152-row LM head, at 1 and 16 rows. Reports per kernel the best call, new / old speed
+from the best calls and as the median of the paired calls' ratios, and whether the two
 builds' outputs are bitwise equal.
 
-    PYTHONPATH=src python benchmarks/bench_kquant_ab.py [--base main] [--rounds 5] [--flags -mno-avx512f] [--new-flags -DKQ_ROWS=4]
+    PYTHONPATH=src python benchmarks/bench_kquant_ab.py [--base main] [--rounds 40]
+        [--rows 1,16] [--flags -mno-avx512f] [--new-flags "-DKQ_ROWS=2 -DKQ_HALVES=2"]
 """
 
 from __future__ import annotations
@@ -69,8 +70,17 @@ def ptr(a: np.ndarray) -> int:
     return a.ctypes.data
 
 
-def run(lib: ctypes.CDLL, t: int, x: np.ndarray, rows: int, k: int, packed: np.ndarray,
-        n: int, y: np.ndarray, scratch: np.ndarray) -> None:
+def run(
+    lib: ctypes.CDLL,
+    t: int,
+    x: np.ndarray,
+    rows: int,
+    k: int,
+    packed: np.ndarray,
+    n: int,
+    y: np.ndarray,
+    scratch: np.ndarray,
+) -> None:
     rc = lib.furnace_kq_linear(int(t), ptr(x), rows, k, ptr(packed), None, n, ptr(y), ptr(scratch))
     assert rc == 0
 
@@ -95,9 +105,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         for name, read in (
-            ("old", lambda f: subprocess.run(
-                ["git", "show", f"{args.base}:{RUNTIME}/{f}"], cwd=ROOT, check=True,
-                capture_output=True).stdout),
+            (
+                "old",
+                lambda f: (
+                    subprocess.run(
+                        ["git", "show", f"{args.base}:{RUNTIME}/{f}"],
+                        cwd=ROOT,
+                        check=True,
+                        capture_output=True,
+                    ).stdout
+                ),
+            ),
             ("new", lambda f: (ROOT / RUNTIME / f).read_bytes()),
         ):
             (directory / name).mkdir()
@@ -108,7 +126,9 @@ def main() -> None:
             "new": build(directory, "new", [*args.flags.split(), *args.new_flags.split()]),
         }
         rng = np.random.default_rng(0)
-        print(f"{'type':5} {'out x in':>11} {'rows':>4} {'old ms':>8} {'new ms':>8} {'best':>9} {'paired':>9} bitwise")
+        print(
+            f"{'type':5} {'out x in':>11} {'rows':>4} {'old ms':>8} {'new ms':>8} {'best':>9} {'paired':>9} bitwise"
+        )
         for t, n, k in CASES:
             blocks = random_blocks(t, n, k, rng, 1.0 / np.sqrt(k))
             size = libs["old"].furnace_kq_packed_size(int(t), n, k)
@@ -119,7 +139,9 @@ def main() -> None:
                 assert libs["old"].furnace_kq_pack(int(t), ptr(blocks), n, k, ptr(packed)) == 0
             for rows in (int(r) for r in args.rows.split(",")):
                 x = rng.standard_normal((rows, k)).astype(np.float32)
-                scratch = np.empty(libs["old"].furnace_kq_scratch(int(t), rows, k) // 4 + 16, np.float32)
+                scratch = np.empty(
+                    libs["old"].furnace_kq_scratch(int(t), rows, k) // 4 + 16, np.float32
+                )
                 ys = {name: np.empty((rows, n), np.float32) for name in libs}
                 times: dict[str, list[float]] = {name: [] for name in libs}
                 turn = itertools.count()
@@ -133,7 +155,9 @@ def main() -> None:
                         run(lib, t, x, rows, k, packed, n, ys[name], scratch)
                         times[name].append(time.perf_counter() - start)
                 best = {name: min(times[name]) for name in libs}
-                paired = statistics.median(o / w for o, w in zip(times["old"], times["new"], strict=True))
+                paired = statistics.median(
+                    o / w for o, w in zip(times["old"], times["new"], strict=True)
+                )
                 same = np.array_equal(ys["old"].view(np.uint32), ys["new"].view(np.uint32))
                 print(
                     f"{t.name:5} {n:>5}x{k:<5} {rows:>4} {best['old'] * 1e3:8.3f} {best['new'] * 1e3:8.3f} "
