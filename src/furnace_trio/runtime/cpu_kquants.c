@@ -51,6 +51,12 @@ enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K
 #ifndef KQ_HALVES
 #define KQ_HALVES 1
 #endif
+/* The blocks' codes are prefetched this many bytes ahead (about one Q6_K or two Q4_K
+ * blocks of a panel): on the one-row decode further than the int8 kernels' distance keeps
+ * more of the memory bandwidth busy. */
+#ifndef KQ_PREFETCH_BYTES
+#define KQ_PREFETCH_BYTES 8192
+#endif
 
 /* Integer helpers: vi_u8 / vi_i8 widen VW bytes to int32 lanes; vi_pack2 packs two int16
  * coefficients per lane (c0 low, c1 high) and vi_pairs adds c0 * b[0] + c1 * b[1] per lane
@@ -264,7 +270,7 @@ static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, 
                                   const int H, const uint8_t *blk, const int j, const int8_t *a,
                                   int64_t K, vp part[][PV]) {
 #if VW > 1
-    _mm_prefetch((const char *)blk + j * (kq_code_bytes(type) / 64) + W8_PREFETCH_BYTES,
+    _mm_prefetch((const char *)blk + j * (kq_code_bytes(type) / 64) + KQ_PREFETCH_BYTES,
                  _MM_HINT_T0);
 #endif
     vb wv[PV];
