@@ -15,7 +15,10 @@ stubs (the LM head writes zeros), so a decode step times only the runner's own P
 torch work around them.
 
     python benchmarks/bench_step.py [--baseline /tmp/base] [--quant none,int8] [--thread]
-        [--ctx 150,2000] [--kv-dtype int8,auto]
+        [--ctx 150,2000] [--kv-dtype int8,auto] [--model PATH]
+
+``--model``: another model than the default, e.g. ``_random_gguf.py``'s 1B-shaped Q4_K_M
+(``--quant auto`` runs its linears on the file's own blocks).
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated plan names")
     ap.add_argument("--ctx", default="150", help="decode contexts, comma-separated")
     ap.add_argument("--stub-kernels", action="store_true")
+    ap.add_argument("--model", default=None, help="a GGUF or HF directory (default: SmolLM2)")
     ap.add_argument(
         "--kv-dtype",
         default="auto",
@@ -101,7 +105,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     base_ctx, *contexts = (int(c) for c in args.ctx.split(","))
-    loaded = load_model(None)
+    loaded = load_model(args.model)
     cfg = loaded.config
     # Room for 16 sequences at the longest context and the prefills (float32, 16-token blocks).
     blocks = 16 * (max([base_ctx, *contexts]) // 16 + 2) + 200
@@ -124,7 +128,12 @@ def main() -> None:
             settings = mod.RunnerConfig(
                 device="cpu", kv_cache_bytes=kv_bytes, quantization=quant, kv_dtype=kv_dtype
             )
-            runners[name] = mod.ModelRunner(loaded.config, dict(loaded.weights), settings)
+            if args.model:  # the file's own records (blocks), read by the side's own loader
+                package = mod.__name__.split(".", 1)[0]
+                own = importlib.import_module(f"{package}.loading.loader").load_model(args.model)
+                runners[name] = mod.ModelRunner(own.config, own.weights, settings)
+            else:
+                runners[name] = mod.ModelRunner(loaded.config, dict(loaded.weights), settings)
             if args.stub_kernels:
                 _stub(runners[name]._kernels)
         results: dict[str, dict[str, list[float]]] = {n: {} for n in sides}

@@ -15,15 +15,18 @@
  * the rounded activations' sum for the offset term. The K-quants take llama.cpp's Q8_K
  * arrangement: one scale per row and 256 k (max|x| / 127, codes -127..127) and the integer
  * sums of the codes per 16 and per 32 k. One activation scale per super-block lets the
- * 6- or 8-bit weight scales enter the integer sum: the int16 pair sums of vpmaddubsw are
- * multiplied by the scale in vpmaddwd (which the plain dot product spends multiplying by
- * one), so a super-block costs the instructions of Q4_1's groups plus one float update per
- * row and output. The minimums (Q4_K, Q5_K) and the offset 32 (Q6_K) are integer sums of
- * the per-16/32 code sums times the per-output coefficients, also per super-block.
+ * 6- or 8-bit weight scales enter the integer sum: the products of a run of quads (vp
+ * below: up to a sub-block, as many as int16 holds) are summed per lane, in int16 from
+ * vpmaddubsw with vpaddw (in int32 with VNNI's vpdpbusd), and a run meets its sub-block's
+ * scale in one vpmaddwd (vpmulld): one multiply per 32 products and a run's one, not two.
+ * Per super-block one float update per row and output. The minimums (Q4_K, Q5_K) and the
+ * offset 32 (Q6_K) are integer sums of the per-16/32 code sums times the per-output
+ * coefficients, also per super-block.
  *
- * Bounds (no int16 saturation, no int32 overflow): a pair sum is at most 2 * 63 * 127 =
- * 16002; times a scale (|sc| <= 128) and summed over a super-block: 256 * 63 * 127 * 128
- * < 2^31.
+ * Bounds (no int16 overflow or saturation, no int32 overflow): a pair sum is at most
+ * 2 * 63 * 127 = 16002, a run's int16 sum at most 32,004 (kq_run); times a scale
+ * (|sc| <= 128) and summed over a super-block: 256 * 63 * 127 * 128 < 2^31. Every sum is
+ * exact, so the result does not depend on how the products are grouped.
  *
  * Batch invariance as the other grouped kernels: a row's codes and sums come from that row
  * alone, integer sums are exact, and each (row, output) total is updated once per block in
@@ -31,17 +34,43 @@
  *
  * Loop order: per panel, block by block, all row blocks of a block before the next (its
  * weights read from memory once, then from L1: with many rows the kernel is bound by
- * arithmetic, not by memory), with the totals of every row in a per-thread buffer. */
+ * arithmetic, not by memory), with the totals of every row in a per-thread buffer. A
+ * register block is KQ_ROWS rows against half the panel's outputs (a block's codes are
+ * unpacked once per four rows); a single row takes the whole panel in one pass. */
 
 /* ggml's type numbers (gguf.GGMLQuantizationType). */
 enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14 };
 #define QK 256
+/* Rows per register block of the K-quant kernels and the nibble halves (pairs of code
+ * vectors, 1 or PV / 2) each pass over a block covers: four rows against half a panel (8
+ * run sums and 8 totals, 2 code vectors, the broadcasts: within AVX2's 16 registers); one
+ * row alone against the whole panel. (Overridable with -D for measurements.) */
+#ifndef KQ_ROWS
+#define KQ_ROWS 4
+#endif
+#ifndef KQ_HALVES
+#define KQ_HALVES 1
+#endif
+/* The blocks' codes are prefetched this many bytes ahead (about one Q6_K or two Q4_K
+ * blocks of a panel): on the one-row decode further than the int8 kernels' distance keeps
+ * more of the memory bandwidth busy. */
+#ifndef KQ_PREFETCH_BYTES
+#define KQ_PREFETCH_BYTES 8192
+#endif
 
-/* Integer helpers: vi_u8 / vi_i8 widen VW bytes to int32 lanes; vs_dup copies a lane's low
- * int16 to its high one (a multiplier for vi_dot4s); vi_dot4s adds sc * (each lane's 4 byte
- * products); vi_pair adds c0 * b0 + c1 * b1 per lane (c within int16, b0, b1 too); vb_field
- * moves bits lo .. lo + width - 1 of every byte to bit 4 (the rest zero). */
+/* Integer helpers: vi_u8 / vi_i8 widen VW bytes to int32 lanes; vi_pack2 packs two int16
+ * coefficients per lane (c0 low, c1 high) and vi_pairs adds c0 * b[0] + c1 * b[1] per lane
+ * (b: two adjacent int16); vb_field moves bits lo .. lo + width - 1 of every byte to bit 4
+ * (the rest zero).
+ *
+ * Runs (vp): the products of a few quads summed per lane before a sub-block's scale
+ * multiplies them. Without VNNI a run is the int16 pair sums of vpmaddubsw added with
+ * vpaddw (KQ_RUN32 undefined), met by the scale in one vpmaddwd per run instead of one
+ * per quad: half the multiplies of the quad-by-quad form. With VNNI (and in plain C) a run
+ * is int32 (vpdpbusd) and meets the scale in one vpmulld. vs_scale widens a scale to what
+ * vi_scaled multiplies with (both int16 halves for vpmaddwd). */
 #if VW == 16
+typedef vi vp;
 static inline vb vb_or(vb a, vb b) { return _mm512_or_si512(a, b); }
 static inline vb vb_field(vb p, const int lo, const int width) {
     const vb s = lo <= 4 ? _mm512_slli_epi16(p, 4 - lo) : _mm512_srli_epi16(p, lo - 4);
@@ -50,17 +79,27 @@ static inline vb vb_field(vb p, const int lo, const int width) {
 static inline vi vi_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline vi vi_i8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline vi vi_low16(vi a) { return _mm512_and_si512(a, _mm512_set1_epi32(0xffff)); }
-static inline vi vs_dup(vi a) { return _mm512_or_si512(vi_low16(a), _mm512_slli_epi32(a, 16)); }
-static inline vi vi_dot4s(vi acc, vb w, vb x, vi sc) {
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), sc));
-}
-static inline vi vi_pair(vi acc, vi c0, vi c1, int32_t b0, int32_t b1) {
-    const vi c = _mm512_or_si512(vi_low16(c0), _mm512_slli_epi32(c1, 16));
-    const vi b = _mm512_set1_epi32((int32_t)(((uint32_t)b0 & 0xffffu) | ((uint32_t)b1 << 16)));
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(c, b));
+static inline vi vi_pack2(vi c0, vi c1) { return _mm512_or_si512(vi_low16(c0), _mm512_slli_epi32(c1, 16)); }
+static inline vi vi_pairs(vi acc, vi c, const int16_t *b) {
+    int32_t two;
+    memcpy(&two, b, 4);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(c, _mm512_set1_epi32(two)));
 }
 static inline vi vi_sub_shl5(vi a, vi b) { return _mm512_sub_epi32(a, _mm512_slli_epi32(b, 5)); }
+#if defined(__AVX512VNNI__)
+#define KQ_RUN32 1
+static inline vi vs_scale(vi c) { return c; }
+static inline vp vp_first(vb w, vb x) { return vi_dot4(vi_zero(), w, x); }
+static inline vp vp_dot(vp acc, vb w, vb x) { return vi_dot4(acc, w, x); }
+static inline vi vi_scaled(vi acc, vp p, vi sc) { return _mm512_add_epi32(acc, _mm512_mullo_epi32(p, sc)); }
+#else
+static inline vi vs_scale(vi c) { return vi_pack2(c, c); }
+static inline vp vp_first(vb w, vb x) { return _mm512_maddubs_epi16(w, x); }
+static inline vp vp_dot(vp acc, vb w, vb x) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, x)); }
+static inline vi vi_scaled(vi acc, vp p, vi sc) { return _mm512_add_epi32(acc, _mm512_madd_epi16(p, sc)); }
+#endif
 #elif VW == 8
+typedef vi vp;
 static inline vb vb_or(vb a, vb b) { return _mm256_or_si256(a, b); }
 static inline vb vb_field(vb p, const int lo, const int width) {
     const vb s = lo <= 4 ? _mm256_slli_epi16(p, 4 - lo) : _mm256_srli_epi16(p, lo - 4);
@@ -69,17 +108,25 @@ static inline vb vb_field(vb p, const int lo, const int width) {
 static inline vi vi_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 static inline vi vi_i8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 static inline vi vi_low16(vi a) { return _mm256_and_si256(a, _mm256_set1_epi32(0xffff)); }
-static inline vi vs_dup(vi a) { return _mm256_or_si256(vi_low16(a), _mm256_slli_epi32(a, 16)); }
-static inline vi vi_dot4s(vi acc, vb w, vb x, vi sc) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), sc));
-}
-static inline vi vi_pair(vi acc, vi c0, vi c1, int32_t b0, int32_t b1) {
-    const vi c = _mm256_or_si256(vi_low16(c0), _mm256_slli_epi32(c1, 16));
-    const vi b = _mm256_set1_epi32((int32_t)(((uint32_t)b0 & 0xffffu) | ((uint32_t)b1 << 16)));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(c, b));
+static inline vi vi_pack2(vi c0, vi c1) { return _mm256_or_si256(vi_low16(c0), _mm256_slli_epi32(c1, 16)); }
+static inline vi vi_pairs(vi acc, vi c, const int16_t *b) {
+    int32_t two;
+    memcpy(&two, b, 4);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(c, _mm256_set1_epi32(two)));
 }
 static inline vi vi_sub_shl5(vi a, vi b) { return _mm256_sub_epi32(a, _mm256_slli_epi32(b, 5)); }
+static inline vi vs_scale(vi c) { return vi_pack2(c, c); }
+static inline vp vp_first(vb w, vb x) { return _mm256_maddubs_epi16(w, x); }
+static inline vp vp_dot(vp acc, vb w, vb x) {
+    /* In place, as inline asm: GCC otherwise adds into a new register and copies it back
+     * (one move per instruction in the inner loop). */
+    const vp prod = _mm256_maddubs_epi16(w, x);
+    __asm__("vpaddw %1, %0, %0" : "+x"(acc) : "x"(prod));
+    return acc;
+}
+static inline vi vi_scaled(vi acc, vp p, vi sc) { return _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc)); }
 #else
+typedef int32_t vp;
 static inline vb vb_or(vb a, vb b) { return a | b; }
 /* (bits shifted in from a neighbouring byte land outside the mask: lo <= 7, width <= 2) */
 static inline vb vb_field(vb p, const int lo, const int width) {
@@ -88,10 +135,16 @@ static inline vb vb_field(vb p, const int lo, const int width) {
 }
 static inline vi vi_u8(const uint8_t *p) { return *p; }
 static inline vi vi_i8(const uint8_t *p) { return (int8_t)*p; }
-static inline vi vs_dup(vi a) { return a; }
-static inline vi vi_dot4s(vi acc, vb w, vb x, vi sc) { return acc + sc * vi_dot4(0, w, x); }
-static inline vi vi_pair(vi acc, vi c0, vi c1, int32_t b0, int32_t b1) { return acc + c0 * b0 + c1 * b1; }
+static inline vi vi_pack2(vi c0, vi c1) { return (int32_t)(((uint32_t)c0 & 0xffffu) | ((uint32_t)c1 << 16)); }
+static inline vi vi_pairs(vi acc, vi c, const int16_t *b) {
+    return acc + (int16_t)(c & 0xffff) * b[0] + (int16_t)((uint32_t)c >> 16) * b[1];
+}
 static inline vi vi_sub_shl5(vi a, vi b) { return a - b * 32; }
+#define KQ_RUN32 1
+static inline vi vs_scale(vi c) { return c; }
+static inline vp vp_first(vb w, vb x) { return vi_dot4(0, w, x); }
+static inline vp vp_dot(vp acc, vb w, vb x) { return vi_dot4(acc, w, x); }
+static inline vi vi_scaled(vi acc, vp p, vi sc) { return acc + p * sc; }
 #endif
 
 /* Per row and super-block of 256 k: the activation scale and the code sums per 16 and 32. */
@@ -164,8 +217,17 @@ static ALWAYS_INLINE int kq_extra(const int type) {
     return type == GG_Q5_0 || type == GG_Q5_K ? 1 : type == GG_Q6_K ? 2 : 0;
 }
 
-/* The codes of quad j of a block: PV vectors of unsigned bytes. */
-static ALWAYS_INLINE void kq_codes(const int extra, const uint8_t *c, const int j, vb wv[PV]) {
+/* Whether code vector v is one of the nibble halves h0 .. h0 + H - 1 (vectors h and
+ * h + PV / 2 of each). */
+static ALWAYS_INLINE int kq_in(const int v, const int h0, const int H) {
+    const int h = v % (PV / 2);
+    return h >= h0 && h < h0 + H;
+}
+
+/* The codes of quad j of a block: PV vectors of unsigned bytes (kq_codes_of: only those of
+ * halves h0 .. h0 + H - 1). */
+static ALWAYS_INLINE void kq_codes_of(const int extra, const uint8_t *c, const int j, const int h0,
+                                      const int H, vb wv[PV]) {
     const uint8_t *nib = c + j * 2 * PW, *plane = NULL;
     if (extra == 1) {
         nib = c + (j / 2) * 5 * PW + (j % 2) * 2 * PW;
@@ -175,7 +237,7 @@ static ALWAYS_INLINE void kq_codes(const int extra, const uint8_t *c, const int 
         plane = nib + 2 * PW;
     }
 #pragma GCC unroll 2
-    for (int h = 0; h < PV / 2; h++) {
+    for (int h = h0; h < h0 + H; h++) {
         const vb raw = vb_load(nib + h * 4 * VW);
         wv[h] = vb_low(raw);
         wv[h + PV / 2] = vb_high(raw);
@@ -184,45 +246,81 @@ static ALWAYS_INLINE void kq_codes(const int extra, const uint8_t *c, const int 
         const vb bits = vb_load(plane);
 #pragma GCC unroll 4
         for (int v = 0; v < PV; v++)
-            wv[v] = vb_or(wv[v], vb_field(bits, extra == 1 ? 4 * (j % 2) + v : 2 * v, extra));
+            if (kq_in(v, h0, H))
+                wv[v] = vb_or(wv[v], vb_field(bits, extra == 1 ? 4 * (j % 2) + v : 2 * v, extra));
+    }
+}
+static ALWAYS_INLINE void kq_codes(const int extra, const uint8_t *c, const int j, vb wv[PV]) {
+    kq_codes_of(extra, c, j, 0, PV / 2, wv);
+}
+
+/* Quads per run (see vp): the most whose int16 pair sums cannot overflow. A pair sum is
+ * at most 2 * cmax * 127 (codes up to 15, 31, 63): 8 runs of Q4_K (30,480), 4 of Q5_K
+ * (31,496), 2 of Q6_K (32,004). In int32 a run is a whole sub-block. */
+static ALWAYS_INLINE int kq_run(const int type) {
+#ifdef KQ_RUN32
+    return type == GG_Q6_K ? 4 : 8;
+#else
+    return type == GG_Q4_K ? 8 : type == GG_Q5_K ? 4 : 2;
+#endif
+}
+
+/* Quad j of a block against R rows into their runs: the first quad of a run starts them. */
+static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, const int h0,
+                                  const int H, const uint8_t *blk, const int j, const int8_t *a,
+                                  int64_t K, vp part[][PV]) {
+#if VW > 1
+    _mm_prefetch((const char *)blk + j * (kq_code_bytes(type) / 64) + KQ_PREFETCH_BYTES,
+                 _MM_HINT_T0);
+#endif
+    vb wv[PV];
+    kq_codes_of(kq_extra(type), blk, j, h0, H, wv);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        const vb xb = vb_set4(a + r * K + 4 * j);
+#pragma GCC unroll 4
+        for (int v = 0; v < PV; v++)
+            if (kq_in(v, h0, H))
+                part[r][v] = first ? vp_first(wv[v], xb) : vp_dot(part[r][v], wv[v], xb);
     }
 }
 
 /* One K-quant super-block against R rows from row 0 of a (codes, row stride K) and sums
- * (row stride groups), into tot (row stride PW). scv: the block's scales for vi_dot4s,
- * [sub-block][PV]; coef: the minimums (Q4_K, Q5_K: [4 pairs][2][PV]) or the scales
- * (Q6_K: [8 pairs][2][PV]) as int32 lanes, for the sums' corrections. */
-static ALWAYS_INLINE void kq_super_rows(const int type, const int R, const uint8_t *blk,
-                                        const vi *scv, const vi *coef, const int8_t *a,
+ * (row stride groups), into tot (row stride PW), for the outputs of nibble halves h0 ..
+ * h0 + H - 1 (kq_in). scv: the block's scales (vs_scale),
+ * [sub-block][PV]; cp: the correction coefficients in pairs (vi_pack2), the minimums of
+ * Q4_K and Q5_K ([4][PV], against the sums per 32) or the scales of Q6_K ([8][PV], against
+ * the sums per 16). */
+static ALWAYS_INLINE void kq_super_rows(const int type, const int R, const int h0, const int H,
+                                        const uint8_t *blk, const vi *scv, const vi *cp,
+                                        const int8_t *a,
                                         int64_t K, const q8k_sums *sums, int64_t groups,
                                         float *tot) {
-    const int extra = kq_extra(type);
     const int quads = type == GG_Q6_K ? 4 : 8; /* per sub-block */
-    vi acc[Q4_ROWS][PV];
-    acc_zero(acc, R);
-#pragma GCC unroll 1
-    for (int u = 0; u < QK / (4 * quads); u++) {
-#pragma GCC unroll 2
-        for (int jj = 0; jj < quads; jj++) {
-            const int j = u * quads + jj;
-#if VW > 1
-            _mm_prefetch((const char *)blk + j * (kq_code_bytes(type) / 64) + W8_PREFETCH_BYTES,
-                         _MM_HINT_T0);
-#endif
-            vb wv[PV];
-            kq_codes(extra, blk, j, wv);
+    const int run = kq_run(type);
+    vi acc[KQ_ROWS][PV];
 #pragma GCC unroll 8
-            for (int r = 0; r < R; r++) {
-                const vb xb = vb_set4(a + r * K + 4 * j);
+    for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-                for (int v = 0; v < PV; v++)
-                    acc[r][v] = vi_dot4s(acc[r][v], wv[v], xb, scv[u * PV + v]);
-            }
-        }
+        for (int v = 0; v < PV; v++)
+            if (kq_in(v, h0, H)) acc[r][v] = vi_zero();
+#pragma GCC unroll 1
+    for (int j0 = 0; j0 < QK / 4; j0 += run) {
+        vp part[KQ_ROWS][PV];
+        kq_quad(type, 1, R, h0, H, blk, j0, a, K, part);
+#pragma GCC unroll 1
+        for (int j = j0 + 1; j < j0 + run; j++) kq_quad(type, 0, R, h0, H, blk, j, a, K, part);
+        const vi *sc = scv + (j0 / quads) * PV;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int v = 0; v < PV; v++)
+                if (kq_in(v, h0, H)) acc[r][v] = vi_scaled(acc[r][v], part[r][v], sc[v]);
     }
     const uint16_t *dh = (const uint16_t *)(blk + kq_code_bytes(type) + 16 * PW);
 #pragma GCC unroll 4
     for (int v = 0; v < PV; v++) {
+        if (!kq_in(v, h0, H)) continue;
         const vf d = v_loadh(dh + v * VW);
         const vf dmin = type == GG_Q6_K ? d : v_loadh(dh + PW + v * VW);
 #pragma GCC unroll 8
@@ -233,16 +331,12 @@ static ALWAYS_INLINE void kq_super_rows(const int type, const int R, const uint8
             vf total = v_load(t);
             if (type == GG_Q6_K) {
 #pragma GCC unroll 8
-                for (int p = 0; p < 8; p++)
-                    corr = vi_pair(corr, coef[(2 * p) * PV + v], coef[(2 * p + 1) * PV + v],
-                                   q->b16[2 * p], q->b16[2 * p + 1]);
+                for (int p = 0; p < 8; p++) corr = vi_pairs(corr, cp[p * PV + v], q->b16 + 2 * p);
                 const vi isum = vi_sub_shl5(acc[r][v], corr);
                 total = v_fma(vi_float(isum), v_mul(d, v_set1(q->s)), total);
             } else {
 #pragma GCC unroll 4
-                for (int p = 0; p < 4; p++)
-                    corr = vi_pair(corr, coef[(2 * p) * PV + v], coef[(2 * p + 1) * PV + v],
-                                   q->b32[2 * p], q->b32[2 * p + 1]);
+                for (int p = 0; p < 4; p++) corr = vi_pairs(corr, cp[p * PV + v], q->b32 + 2 * p);
                 total = v_fma(vi_float(acc[r][v]), v_mul(d, v_set1(q->s)), total);
                 total = v_fma(vi_float(corr), v_mul(dmin, v_set1(-q->s)), total);
             }
@@ -291,39 +385,79 @@ static ALWAYS_INLINE void kq_group_rows(const int type, const int R, const uint8
 }
 
 /* The scales of a K-quant block widened once for all its row blocks (see kq_super_rows). */
-static ALWAYS_INLINE void kq_block_scales(const int type, const uint8_t *blk, vi *scv, vi *coef) {
+static ALWAYS_INLINE void kq_block_scales(const int type, const uint8_t *blk, vi *scv, vi *cp) {
     const uint8_t *sc = blk + kq_code_bytes(type);
     const int subs = type == GG_Q6_K ? 16 : 8;
     for (int u = 0; u < subs; u++)
         for (int v = 0; v < PV; v++) {
             const vi c = type == GG_Q6_K ? vi_i8(sc + u * PW + v * VW) : vi_u8(sc + u * PW + v * VW);
-            scv[u * PV + v] = vs_dup(c);
-            /* Q6_K corrects with its scales, Q4_K and Q5_K with their minimums. */
-            coef[u * PV + v] = type == GG_Q6_K ? c : vi_u8(sc + (8 + u) * PW + v * VW);
+            scv[u * PV + v] = vs_scale(c);
         }
+    /* Q6_K corrects with its scales, Q4_K and Q5_K with their minimums. */
+    const uint8_t *coef = type == GG_Q6_K ? sc : sc + 8 * PW;
+    for (int p = 0; p < subs / 2; p++)
+        for (int v = 0; v < PV; v++) {
+            const uint8_t *c0 = coef + 2 * p * PW + v * VW, *c1 = c0 + PW;
+            cp[p * PV + v] = type == GG_Q6_K ? vi_pack2(vi_i8(c0), vi_i8(c1))
+                                             : vi_pack2(vi_u8(c0), vi_u8(c1));
+        }
+}
+
+/* Every row against block g of a K-quant panel, for the outputs of nibble halves h0 ..
+ * h0 + KQ_HALVES - 1, KQ_ROWS rows at a time. */
+static ALWAYS_INLINE void kq_super_pass(const int type, const int h0, const int8_t *a,
+                                        const void *act, int64_t M, int64_t K, int64_t g,
+                                        const uint8_t *blk, const vi *scv, const vi *cp,
+                                        float *tot) {
+    const int64_t groups = K / QK;
+    for (int64_t m0 = 0; m0 < M; m0 += KQ_ROWS) {
+        const int8_t *am = a + m0 * K + g * QK;
+        float *tm = tot + m0 * PW;
+        const q8k_sums *q = (const q8k_sums *)act + m0 * groups + g;
+        switch (M - m0 < KQ_ROWS ? M - m0 : KQ_ROWS) {
+#define KQ_CASE(R)                                                                         \
+    case R: kq_super_rows(type, R, h0, KQ_HALVES, blk, scv, cp, am, K, q, groups, tm); break;
+            KQ_CASE(1)
+            KQ_CASE(2)
+#if KQ_ROWS > 2
+            KQ_CASE(3)
+            KQ_CASE(4)
+#endif
+#if KQ_ROWS > 4
+            KQ_CASE(5)
+            KQ_CASE(6)
+#endif
+#undef KQ_CASE
+        }
+    }
 }
 
 /* Every row against one panel w of type `type` (a compile-time constant after inlining). */
 static ALWAYS_INLINE void kq_panel(const int type, const int8_t *a, const void *act, int64_t M,
                                    int64_t K, const uint8_t *w, float *tot) {
     const int64_t groups = K / kq_block_k(type), bytes = kq_block_bytes(type);
-    vi scv[16 * PV], coef[16 * PV];
+    vi scv[16 * PV], cp[8 * PV];
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = w + g * bytes;
-        if (kq_block_k(type) == QK) kq_block_scales(type, blk, scv, coef);
+        if (kq_block_k(type) == QK) kq_block_scales(type, blk, scv, cp);
+        if (kq_block_k(type) == QK) {
+            if (M == 1) /* one row: all of the panel at once, the registers allow it */
+                kq_super_rows(type, 1, 0, PV / 2, blk, scv, cp, a + g * QK, K,
+                              (const q8k_sums *)act + g, groups, tot);
+            else
+            {
+                kq_super_pass(type, 0, a, act, M, K, g, blk, scv, cp, tot);
+                if (KQ_HALVES < PV / 2) kq_super_pass(type, 1, a, act, M, K, g, blk, scv, cp, tot);
+            }
+            continue;
+        }
         for (int64_t m0 = 0; m0 < M; m0 += Q4_ROWS) {
             const int8_t *am = a + m0 * K + g * kq_block_k(type);
             float *tm = tot + m0 * PW;
-            const q8k_sums *q = (const q8k_sums *)act + m0 * groups + g;
             const float *s = (const float *)act + m0 * groups + g, *sum = s + M * groups;
             switch (M - m0 < Q4_ROWS ? M - m0 : Q4_ROWS) {
 #define KQ_CASE(R)                                                                     \
-    case R:                                                                            \
-        if (kq_block_k(type) == QK)                                                    \
-            kq_super_rows(type, R, blk, scv, coef, am, K, q, groups, tm);              \
-        else                                                                           \
-            kq_group_rows(type, R, blk, am, K, s, sum, groups, tm);                    \
-        break;
+    case R: kq_group_rows(type, R, blk, am, K, s, sum, groups, tm); break;
                 KQ_CASE(1)
                 KQ_CASE(2)
 #if Q4_ROWS > 2
