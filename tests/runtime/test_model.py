@@ -14,72 +14,28 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import ChunkPlan, SampleSpec, StepPlan
 from furnace_trio.loading.hf_loader import load_hf_directory
-from furnace_trio.runtime import runner as runner_module
 from furnace_trio.runtime import step_inputs as step_inputs_module
 from furnace_trio.runtime.attention import chunk_attention
 from furnace_trio.runtime.layers import RMSNorm
-from furnace_trio.runtime.native import quantize_kv_rows
 from furnace_trio.runtime.quant import NativeQ4Linear, dequantize_q4, quantize_q4
-from furnace_trio.runtime.runner import KV_DTYPES, ModelRunner, RunnerConfig, build_inputs
+from furnace_trio.runtime.runner import ModelRunner, RunnerConfig, build_inputs
 from furnace_trio.runtime.step_inputs import PrefillBatch, chunk_mask
-from furnace_trio.server import config_values as server_config
 
 from .._model_fixtures import GEMMA3_WINDOW, write_tiny_model
-
-BLOCK = 4
-TOL = 2e-5
-
-ARCHS = [
-    ("llama", False, False),
-    ("llama", True, True),
-    ("mistral", False, False),
-    ("qwen2", True, False),
-    ("qwen2", False, False),
-    ("qwen3", True, False),
-    ("qwen3", False, False),
-    ("gemma3", True, False),
-    ("gemma3", False, True),  # linear rope scaling on the global layer
-]
-
-
-def _runner(
-    path: Path,
-    *,
-    native: bool = True,
-    quantization: str = "none",
-    kv_dtype: str = "auto",
-    split_chunks_upto: int | None = None,
-) -> ModelRunner:
-    config, weights = load_hf_directory(path)
-    settings = RunnerConfig(
-        device="cpu",
-        kv_cache_bytes=1 << 22,
-        block_size=BLOCK,
-        native=native,
-        quantization=quantization,
-        kv_dtype=kv_dtype,
-        split_chunks_upto=split_chunks_upto,
-    )
-    return ModelRunner(config, weights, settings)
-
-
-def _reference(path: Path) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-    return model.eval()
-
-
-def _ref_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
-
-
-def _table(first: int, n: int = 16) -> tuple[int, ...]:
-    return tuple(range(first, first + n))
+from .model_helpers import (
+    ARCHS,
+    BLOCK,
+    TOL,
+    block_table,
+    make_runner,
+    ragged_decode,
+    reference_logits,
+    reference_model,
+)
 
 
 @pytest.fixture(
@@ -95,9 +51,9 @@ def tiny(
 ) -> tuple[ModelRunner, torch.nn.Module, int]:
     arch, tied, rope3, native = request.param
     path = write_tiny_model(tmp_path, arch, tied=tied, rope_llama3=rope3)
-    runner = _runner(path, native=native)
+    runner = make_runner(path, native=native)
     assert (runner.model.layers[0].self_attn.kernels is not None) == native
-    return runner, _reference(path), runner.config.vocab_size
+    return runner, reference_model(path), runner.config.vocab_size
 
 
 def test_prefill_then_decode_matches_transformers(
@@ -106,8 +62,8 @@ def test_prefill_then_decode_matches_transformers(
     runner, ref, vocab = tiny
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (23,), generator=gen).tolist()
-    expected = _ref_logits(ref, ids)
-    table = _table(0)
+    expected = reference_logits(ref, ids)
+    table = block_table(0)
     prompt = 13  # crosses three block boundaries
     got = runner.logits(StepPlan((ChunkPlan(1, tuple(ids[:prompt]), 0, table),)))
     torch.testing.assert_close(got[0], expected[prompt - 1], atol=TOL, rtol=TOL)
@@ -119,8 +75,8 @@ def test_prefill_then_decode_matches_transformers(
 def test_chunked_prefill_matches_whole(tiny: tuple[ModelRunner, torch.nn.Module, int]) -> None:
     runner, ref, vocab = tiny
     ids = torch.randint(0, vocab, (30,), generator=torch.Generator().manual_seed(2)).tolist()
-    expected = _ref_logits(ref, ids)
-    table = _table(3)
+    expected = reference_logits(ref, ids)
+    table = block_table(3)
     pos = 0
     for size in (7, 1, 9, 13):
         got = runner.logits(StepPlan((ChunkPlan(5, tuple(ids[pos : pos + size]), pos, table),)))
@@ -133,8 +89,8 @@ def test_ragged_batch_matches_each_alone(tiny: tuple[ModelRunner, torch.nn.Modul
     runner, ref, vocab = tiny
     gen = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (17, 9, 22, 5)]
-    expected = [_ref_logits(ref, s) for s in seqs]
-    tables = [_table(16 * i) for i in range(len(seqs))]
+    expected = [reference_logits(ref, s) for s in seqs]
+    tables = [block_table(16 * i) for i in range(len(seqs))]
     # Step 1: different prefill lengths (one sequence only partly).
     first = [11, 9, 6, 5]
     plan = StepPlan(
@@ -181,11 +137,11 @@ def test_batched_prefill_rows_equal_rows_attended_one_by_one(
     gives (and, with a float cache, transformers' own). Gemma 3's sliding layers take the
     batch's windowed mask (its prompts outgrow the tiny model's window)."""
     path = write_tiny_model(tmp_path, arch, tied=arch == "gemma3")
-    ref = _reference(path)
+    ref = reference_model(path)
     vocab = load_hf_directory(path)[0].vocab_size
     gen = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (17, 9, 22, 5)]
-    tables = [_table(16 * i) for i in range(len(seqs))]
+    tables = [block_table(16 * i) for i in range(len(seqs))]
     first = [11, 2, 6, 5]
     steps = [
         tuple(ChunkPlan(i, tuple(s[: first[i]]), 0, tables[i]) for i, s in enumerate(seqs)),
@@ -196,8 +152,8 @@ def test_batched_prefill_rows_equal_rows_attended_one_by_one(
             ChunkPlan(3, (seqs[3][4],), 4, tables[3]),
         ),
     ]
-    rows = _runner(path, native=False, kv_dtype=kv_dtype)
-    batched = _runner(path, native=False, kv_dtype=kv_dtype)
+    rows = make_runner(path, native=False, kv_dtype=kv_dtype)
+    batched = make_runner(path, native=False, kv_dtype=kv_dtype)
     for chunks in steps:
         want = rows.logits(StepPlan(chunks))
         got = _batched_prefill_logits(batched, StepPlan(chunks))
@@ -209,14 +165,16 @@ def test_batched_prefill_rows_equal_rows_attended_one_by_one(
         if kv_dtype == "auto":
             for chunk, logits in zip(chunks, got, strict=True):
                 full = seqs[chunk.seq_id][: chunk.start_pos + len(chunk.token_ids)]
-                expected = _ref_logits(ref, full)[-1]
+                expected = reference_logits(ref, full)[-1]
                 torch.testing.assert_close(logits, expected, atol=TOL, rtol=TOL)
 
 
 def test_prefill_batches_only_when_it_pays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One prefill row is attended on its own; so are rows whose padded mask, or whose
     keys copied once per query head, would be too large."""
-    plan = StepPlan((ChunkPlan(0, (1, 2, 3), 0, _table(0)), ChunkPlan(1, (4, 5), 0, _table(16))))
+    plan = StepPlan(
+        (ChunkPlan(0, (1, 2, 3), 0, block_table(0)), ChunkPlan(1, (4, 5), 0, block_table(16)))
+    )
     cpu = torch.device("cpu")
     inputs = build_inputs(plan, BLOCK, cpu)
     assert PrefillBatch.build(inputs, BLOCK, torch.float32, 1) is not None
@@ -256,7 +214,7 @@ def test_block_copy_forks_a_sequence(tiny: tuple[ModelRunner, torch.nn.Module, i
     """A child sharing full blocks and a copied partial block decodes like its parent."""
     runner, ref, vocab = tiny
     ids = torch.randint(0, vocab, (10,), generator=torch.Generator().manual_seed(4)).tolist()
-    expected = _ref_logits(ref, ids)
+    expected = reference_logits(ref, ids)
     parent = (0, 1, 2)
     runner.logits(StepPlan((ChunkPlan(1, tuple(ids[:9]), 0, parent),)))
     child = (0, 1, 7)  # block 2 holds position 8 (partial): the child gets a copy in block 7
@@ -272,36 +230,23 @@ def test_plan_with_short_block_table_is_refused(
         runner.logits(StepPlan((ChunkPlan(1, tuple(range(9)), 0, (0, 1)),)))
 
 
-def _ragged_decode(vocab: int) -> tuple[list[list[int]], StepPlan, StepPlan]:
-    """Three sequences of 6, 13 and 2 tokens: a prefill step of all but each one's last
-    token, and the decode step of those last tokens (ragged contexts)."""
-    gen = torch.Generator().manual_seed(5)
-    seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (6, 13, 2)]
-    tables = [_table(16 * i) for i in range(len(seqs))]
-    prompts = StepPlan(tuple(ChunkPlan(i, tuple(s[:-1]), 0, tables[i]) for i, s in enumerate(seqs)))
-    decodes = StepPlan(
-        tuple(ChunkPlan(i, (s[-1],), len(s) - 1, tables[i]) for i, s in enumerate(seqs))
-    )
-    return seqs, prompts, decodes
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_int8_fused_decode_equals_per_op_path(tmp_path: Path, arch: str) -> None:
     """All-decode int8 steps run every layer in one native call; the per-op path (the same
     kernels called one by one from Python) must give bitwise the same logits, for ragged
     contexts and a bias (qwen2), and stay close to the float reference."""
     path = write_tiny_model(tmp_path, arch, tied=False, rope_llama3=False)
-    runner = _runner(path, quantization="int8")
+    runner = make_runner(path, quantization="int8")
     assert runner.model.kernels is not None
     assert runner.cache.k.dtype == torch.float16  # int8 with native kernels: half the KV bytes
-    seqs, prompts, decodes = _ragged_decode(runner.config.vocab_size)
+    seqs, prompts, decodes = ragged_decode(runner.config.vocab_size)
     runner.logits(prompts)
     assert runner.model._decode_layer_ptrs(runner.cache, runner.model.kernels) is not None
     fused = runner.logits(decodes)
     runner.model.fused_decode = False
     per_op = runner.logits(decodes)
     assert torch.equal(fused, per_op)
-    ref = _ref_logits(_reference(path), seqs[1])[-1]
+    ref = reference_logits(reference_model(path), seqs[1])[-1]
     assert float((fused[1] - ref).norm() / ref.norm()) < 0.02
 
 
@@ -330,7 +275,7 @@ def test_q4_fused_decode_equals_per_op_path(tmp_path: Path, arch: str) -> None:
         type(m).__name__ for n, m in runner.model.named_modules() if "layers." in n and "proj" in n
     }
     assert layer_kinds == {NativeQ4Linear.__name__}
-    _, prompts, decodes = _ragged_decode(config.vocab_size)
+    _, prompts, decodes = ragged_decode(config.vocab_size)
     runner.logits(prompts)
     reference.logits(prompts)
     kernels = runner.model.kernels
@@ -344,232 +289,6 @@ def test_q4_fused_decode_equals_per_op_path(tmp_path: Path, arch: str) -> None:
     assert torch.equal(fused, runner.logits(decodes))
     want = reference.logits(decodes)
     assert float((fused - want).norm() / want.norm()) < 0.03
-
-
-def test_kv_dtype_follows_the_runtime(tmp_path: Path) -> None:
-    path = write_tiny_model(tmp_path, "llama", tied=False, rope_llama3=False)
-    assert _runner(path).cache.k.dtype == torch.float32  # float reference: float32 KV
-    assert _runner(path, native=False, quantization="int8").cache.k.dtype == torch.float32
-    config, weights = load_hf_directory(path)
-    settings = RunnerConfig(
-        device="cpu", kv_cache_bytes=1 << 22, quantization="int8", kv_dtype="model"
-    )
-    assert ModelRunner(config, weights, settings).cache.k.dtype == torch.float32
-    # float16 on request, for the float runtime too (native and torch paths): decodes that
-    # read it stay close to a float32 cache's
-    _, prompts, decodes = _ragged_decode(config.vocab_size)
-    for native in (True, False):
-        half, full = _runner(path, native=native, kv_dtype="float16"), _runner(path, native=native)
-        assert half.cache.k.dtype == torch.float16 and half.quantization == "none"
-        assert full.cache.k.dtype == torch.float32
-        half.logits(prompts)
-        full.logits(prompts)
-        got, want = half.logits(decodes), full.logits(decodes)
-        assert not torch.equal(got, want)
-        assert float((got - want).norm() / want.norm()) < 1e-3
-    with pytest.raises(ValueError, match="kv_dtype"):
-        ModelRunner(config, weights, RunnerConfig(device="cpu", kv_dtype="int4"))
-    # the server's settings (which do not import torch) accept the same names
-    assert server_config.KV_CACHE_DTYPES == KV_DTYPES
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_int8_kv_cache(tmp_path: Path, arch: str) -> None:
-    """``kv_dtype="int8"``: keys and values stored as int8 with a scale per token and KV
-    head. The fused decode equals the per-op path bitwise, the torch path (no native
-    kernels) stores the same bytes and stays close, and all of them stay close to a
-    float16 cache; about 1.9 times the blocks of a float16 cache in the same bytes."""
-    path = write_tiny_model(tmp_path, arch, tied=False, rope_llama3=False)
-    runner = _runner(path, quantization="int8", kv_dtype="int8")
-    half = _runner(path, quantization="int8")
-    torch_path = _runner(path, native=False, quantization="int8", kv_dtype="int8")
-    assert runner.cache.k.dtype == torch.int8 and runner.cache.scales is not None
-    assert torch_path.cache.k.dtype == torch.int8 and torch_path.model.kernels is None
-    assert half.cache.k.dtype == torch.float16
-    assert runner.cache.num_blocks / half.cache.num_blocks == pytest.approx(
-        2 * runner.config.head_dim / (runner.config.head_dim + 4), rel=0.01
-    )
-    _, prompts, decodes = _ragged_decode(runner.config.vocab_size)
-    for r in (runner, half, torch_path):
-        r.logits(prompts)
-    assert runner.model._decode_layer_ptrs(runner.cache, runner.model.kernels) is not None
-    fused = runner.logits(decodes)
-    runner.model.fused_decode = False
-    assert torch.equal(fused, runner.logits(decodes))
-    want = half.logits(decodes)
-    assert float((fused - want).norm() / want.norm()) < 0.02
-    got = torch_path.logits(decodes)
-    assert float((got - fused).norm() / fused.norm()) < 0.005
-    assert bool((fused.argmax(-1) == want.argmax(-1)).all())
-
-
-def test_layer_kv_int8_store_and_gather(tmp_path: Path) -> None:
-    """The torch path's int8 store writes native.quantize_kv_rows' bytes and scales (the
-    native store's, see test_native.test_rope_store); gather gives back ``q * scale``."""
-    path = write_tiny_model(tmp_path, "llama", tied=False, rope_llama3=False)
-    layer = _runner(path, native=False, kv_dtype="int8").cache.layers[1]
-    assert layer.scales is not None
-    _, _, kv_heads, dim = layer.k.shape
-    gen = torch.Generator().manual_seed(4)
-    k, v = torch.randn(2, 5, kv_heads, dim, generator=gen) * 3
-    slots = torch.tensor([4, 5, 6, 7, 13])  # blocks 1 and 3
-    layer.store(slots, k, v)
-    keys, values = layer.gather(torch.tensor([1, 3]), torch.float32)
-    keys, values = keys.flatten(0, 1)[[0, 1, 2, 3, 5]], values.flatten(0, 1)[[0, 1, 2, 3, 5]]
-    for got, x, cache, scale in (
-        (keys, k, layer.k, layer.scales[0]),
-        (values, v, layer.v, layer.scales[1]),
-    ):
-        q, s = quantize_kv_rows(x)
-        assert torch.equal(cache.flatten(0, 1)[slots], q)
-        assert torch.equal(scale.flatten(0, 1)[slots], s)
-        torch.testing.assert_close(got, q.float() * s[..., None])
-        assert float((got - x).abs().max()) <= float(s.max()) / 2 + 1e-6
-
-
-def test_int8_kv_block_copies_carry_the_scales(tmp_path: Path) -> None:
-    """A copied block (copy-on-write after a fork) takes its int8 values and their scales."""
-    path = write_tiny_model(tmp_path, "llama", tied=False, rope_llama3=False)
-    runner = _runner(path, quantization="int8", kv_dtype="int8")
-    runner.logits(StepPlan((ChunkPlan(1, tuple(range(1, 9)), 0, _table(0)),)))
-    cache = runner.cache
-    assert cache.scales is not None
-    cache.copy_blocks(((0, 40), (1, 41)))
-    for src, dst in ((0, 40), (1, 41)):
-        for tensor in (cache.k, cache.v, *cache.scales):
-            assert torch.equal(tensor[:, dst], tensor[:, src])
-    assert bool(cache.scales[0][:, 0].ne(0).all())  # the copied scales are real ones
-
-
-@pytest.mark.parametrize("split", [0, None], ids=["chunk-path", "short-chunks-as-rows"])
-@pytest.mark.parametrize(
-    ("kv_dtype", "cache_dtype", "tol"), [("auto", torch.float16, 1e-2), ("int8", torch.int8, 2e-2)]
-)
-def test_int8_chunked_prefill_over_the_cache(
-    tmp_path: Path, kv_dtype: str, cache_dtype: torch.dtype, tol: float, split: int | None
-) -> None:
-    """Chunks after cached tokens read the float16 KV, or the int8 one dequantized: through
-    the torch attention path over the gathered cache (``split`` 0), or (the default with
-    the native kernels) as rows of the decode path."""
-    path = write_tiny_model(tmp_path, "qwen2", tied=False, rope_llama3=False)
-    runner = _runner(path, quantization="int8", kv_dtype=kv_dtype, split_chunks_upto=split)
-    assert runner.cache.k.dtype == cache_dtype
-    ids = torch.randint(
-        0, runner.config.vocab_size, (30,), generator=torch.Generator().manual_seed(6)
-    )
-    ids_t = tuple(ids.tolist())
-    whole = runner.logits(StepPlan((ChunkPlan(1, ids_t, 0, _table(0)),)))[0]
-    pos = 0
-    for size in (7, 1, 9, 13):
-        got = runner.logits(StepPlan((ChunkPlan(2, ids_t[pos : pos + size], pos, _table(16)),)))
-        pos += size
-    assert float((got[0] - whole).norm() / whole.norm()) < tol
-    ref = _ref_logits(_reference(path), list(ids_t))[-1]
-    assert float((got[0] - ref).norm() / ref.norm()) < 0.02
-
-
-def test_build_inputs_runs_short_chunks_as_one_token_rows() -> None:
-    """With ``split_upto``, a chunk of that many tokens or fewer becomes one row per token,
-    row ``i`` with the context up to its own token and the chunk's block table; a longer
-    chunk stays one row, and only a chunk's last token gives logits."""
-    params = SamplingParams(temperature=0.0)
-    plan = StepPlan(
-        (
-            ChunkPlan(1, (10, 11, 12), 3, (7, 2), (SampleSpec(1, params),)),
-            ChunkPlan(2, (20,), 4, (5, 6), (SampleSpec(2, params),)),
-            ChunkPlan(3, (30, 31, 32, 33), 0, (1,)),
-        )
-    )
-    got = build_inputs(plan, BLOCK, torch.device("cpu"), split_upto=3)
-    assert got.input_ids.tolist() == [10, 11, 12, 20, 30, 31, 32, 33]
-    assert got.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4, 2 * 4 + 1, 6 * 4, 4, 5, 6, 7]
-    assert got.query_starts == (0, 1, 2, 3, 4, 8)
-    assert got.context_lens == (4, 5, 6, 5, 4)
-    assert got.block_tables.tolist() == [[7, 2], [7, 2], [7, 2], [5, 6], [1, 0]]
-    assert got.decode_rows == (0, 1, 2, 3) and got.prefill_rows == (4,)
-    assert got.decode_context_lens.tolist() == [4, 5, 6, 5]
-    assert got.logit_rows.tolist() == [2, 3]
-    unsplit = build_inputs(plan, BLOCK, torch.device("cpu"))
-    assert unsplit.decode_rows == (1,) and unsplit.prefill_rows == (0, 2)
-    assert torch.equal(unsplit.slot_mapping, got.slot_mapping)
-
-
-@pytest.mark.parametrize("quantization", ["int8", "q4"])
-def test_a_short_chunk_gives_what_decoding_its_tokens_one_by_one_gives(
-    tmp_path: Path, quantization: str
-) -> None:
-    """A chunk after cached tokens runs as rows of the decode path: its logits are bitwise
-    those of decoding its tokens one step each (the same kernels, row by row, the same
-    context per row), and close to the chunk path's (torch attention over the gathered
-    cache)."""
-    path = write_tiny_model(tmp_path, "llama", tied=False, rope_llama3=False)
-    runner = _runner(path, quantization=quantization)  # short chunks as rows: the default
-    chunk_path = _runner(path, quantization=quantization, split_chunks_upto=0)
-    ids = torch.randint(
-        0, runner.config.vocab_size, (28,), generator=torch.Generator().manual_seed(9)
-    )
-    prefix, tail = tuple(ids[:20].tolist()), tuple(ids[20:].tolist())
-    got = {}
-    for name, r, first in (("rows", runner, 0), ("steps", runner, 16), ("chunk", chunk_path, 0)):
-        r.logits(StepPlan((ChunkPlan(1, prefix, 0, _table(first)),)))
-        if name == "steps":
-            for i, token in enumerate(tail):
-                step = StepPlan((ChunkPlan(1, (token,), len(prefix) + i, _table(first)),))
-                got[name] = r.logits(step)[0]
-        else:
-            got[name] = r.logits(StepPlan((ChunkPlan(1, tail, len(prefix), _table(first)),)))[0]
-    assert torch.equal(got["rows"], got["steps"])
-    # Not bitwise: the chunk path attends over float32 keys of a fresh prompt and reads the
-    # cache otherwise; the activations' rounding to int8 per group moves the rest.
-    rel = float((got["rows"] - got["chunk"]).norm() / got["chunk"].norm())
-    assert rel < 2e-2
-    assert int(got["rows"].argmax()) == int(got["chunk"].argmax())
-
-
-def test_rotary_rows_match_the_formula_as_the_table_grows(tmp_path: Path) -> None:
-    """cos/sin rows come from a table grown on demand (by doubling); each row is what the
-    rotary formula gives for that position, and a shorter step reuses the table."""
-    runner = _runner(write_tiny_model(tmp_path, "llama", tied=False, rope_llama3=True))
-    model = runner.model
-    sizes = []
-    for end in (5, 300, 1000, 40):
-        gen = torch.Generator().manual_seed(end)
-        positions = torch.randint(0, end, (17,), generator=gen)
-        positions[0] = end - 1
-        cos, sin = model._rotary(positions, end)
-        freqs = positions.float()[:, None] * model.inv_freq[None, :]
-        half = freqs.sin()
-        torch.testing.assert_close(cos, torch.cat((freqs, freqs), -1).cos(), rtol=0, atol=1e-6)
-        torch.testing.assert_close(sin, torch.cat((-half, half), -1), rtol=0, atol=1e-6)
-        sizes.append(model._rope[0].shape[0])
-    assert sizes[0] == 256  # the first table
-    assert sizes[1] >= 300 and sizes[2] >= 1000  # grown
-    assert sizes[3] == sizes[2]  # reused
-
-
-def test_build_inputs_flattens_a_mixed_step() -> None:
-    """A prefill chunk that does not sample, a decode that does and a longer decode: every
-    field, from the one int64 tensor the step's integers are packed into."""
-    params = SamplingParams(temperature=0.0)
-    plan = StepPlan(
-        (
-            ChunkPlan(1, (10, 11, 12), 3, (7, 2)),  # positions 3..5 over blocks of 4
-            ChunkPlan(2, (20,), 4, (5, 6), (SampleSpec(2, params),)),
-            ChunkPlan(3, (30,), 9, (1, 8, 9), (SampleSpec(3, params),)),
-        )
-    )
-    got = build_inputs(plan, BLOCK, torch.device("cpu"))
-    assert got.input_ids.tolist() == [10, 11, 12, 20, 30]
-    assert got.positions.tolist() == [3, 4, 5, 4, 9]
-    assert got.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1, 6 * 4 + 0, 9 * 4 + 1]
-    assert got.query_starts == (0, 3, 4, 5)
-    assert got.context_lens == (6, 5, 10)
-    assert got.block_tables.tolist() == [[7, 2, 0], [5, 6, 0], [1, 8, 9]]
-    assert got.decode_rows == (1, 2) and got.prefill_rows == (0,)
-    assert got.decode_index.tolist() == [1, 2]
-    assert got.decode_context_lens.tolist() == [5, 10]
-    assert got.logit_rows.tolist() == [3, 4]  # the prefill chunk does not sample
-    assert got.slot_mapping.is_contiguous() and got.block_tables.is_contiguous()
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "float16", "int8"])
@@ -593,21 +312,21 @@ def test_the_torch_path_keeps_every_tensor_on_the_device_and_never_syncs(
     runner = ModelRunner(config, weights, settings)
     assert runner.model.kernels is None and runner.cache.k[0].device.type == "meta"
     vocab = config.vocab_size
-    prompt = ChunkPlan(1, tuple(range(10)), 0, _table(0))
+    prompt = ChunkPlan(1, tuple(range(10)), 0, block_table(0))
     assert runner.logits(StepPlan((prompt,))).shape == (1, vocab)
     assert runner.prompt_logits(range(10), chunk=4).shape == (10, vocab)
     mixed = StepPlan(
         (
-            ChunkPlan(1, (3,), 10, _table(0), (SampleSpec(1, SamplingParams()),)),
-            ChunkPlan(2, tuple(range(6)), 0, _table(16)),
-            ChunkPlan(3, (7, 8, 9), 4, _table(32)),  # a chunk after cached tokens
-            ChunkPlan(4, (5,), 20, _table(48)),
+            ChunkPlan(1, (3,), 10, block_table(0), (SampleSpec(1, SamplingParams()),)),
+            ChunkPlan(2, tuple(range(6)), 0, block_table(16)),
+            ChunkPlan(3, (7, 8, 9), 4, block_table(32)),  # a chunk after cached tokens
+            ChunkPlan(4, (5,), 20, block_table(48)),
         ),
         block_copies=((0, 60),),
     )
     runner.cache.copy_blocks(mixed.block_copies)
     assert runner.logits(mixed).shape == (4, vocab)
-    decodes = StepPlan(tuple(ChunkPlan(s, (s,), 11 + s, _table(16 * s)) for s in range(3)))
+    decodes = StepPlan(tuple(ChunkPlan(s, (s,), 11 + s, block_table(16 * s)) for s in range(3)))
     assert runner.logits(decodes).shape == (3, vocab)
 
 
@@ -626,113 +345,11 @@ def test_rms_norm_is_the_float32_formula_rounded_once_to_its_dtype(dtype: torch.
     torch.testing.assert_close(out.double(), exact, rtol=max(half_ulp, 1e-6), atol=0)
 
 
-def test_prompt_scores_are_the_models_logprobs_of_each_next_prompt_token(
-    tiny: tuple[ModelRunner, torch.nn.Module, int], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A scored prompt in two chunks (40 tokens on the chunk path, scored 16 rows at a
-    time, then 10 as one-token rows where the native kernels run), beside another
-    sequence's prefill: its first sampled token carries the logprob of every prompt token
-    after the first, and the top alternatives, as transformers computes them; later
-    tokens carry none."""
-    monkeypatch.setattr(runner_module, "SCORE_ROWS", 16)
-    runner, ref, vocab = tiny
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, vocab, (50,), generator=gen).tolist()
-    other = torch.randint(0, vocab, (5,), generator=gen).tolist()
-    expected = torch.log_softmax(_ref_logits(ref, ids), dim=-1)
-    scored = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)
-
-    def spec(seq_id: int, prompt: list[int], params: SamplingParams) -> SampleSpec:
-        return SampleSpec(seq_id, params, tuple(prompt), ())
-
-    table = _table(0)
-    first = runner.step(
-        StepPlan(
-            (
-                ChunkPlan(1, tuple(ids[:40]), 0, table, score_ids=tuple(ids[1:41]), score_top=2),
-                ChunkPlan(
-                    2,
-                    tuple(other),
-                    0,
-                    _table(20, 2),
-                    samples=(spec(2, other, SamplingParams(temperature=0)),),
-                ),
-            )
-        )
-    )
-    assert [t.seq_id for t in first] == [2] and first[0].prompt_logprobs is None
-    last = ChunkPlan(
-        1,
-        tuple(ids[40:]),
-        40,
-        table,
-        samples=(spec(1, ids, scored),),
-        score_ids=tuple(ids[41:]),
-        score_top=2,
-    )
-    (token,) = runner.step(StepPlan((last,)))
-    scores = token.prompt_logprobs
-    assert scores is not None
-    assert [s.token_id for s in scores] == ids[1:]
-    got = torch.tensor([s.logprob for s in scores])
-    want = expected[torch.arange(49), torch.tensor(ids[1:])]
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    for pos, s in enumerate(scores):
-        top_ids = [t.token_id for t in s.top_logprobs]
-        top_values = torch.tensor([t.logprob for t in s.top_logprobs])
-        torch.testing.assert_close(top_values, expected[pos].topk(2).values, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(expected[pos][top_ids], top_values, atol=1e-4, rtol=1e-4)
-    assert token.token_id == int(expected[49].argmax())
-    follow = ChunkPlan(
-        1,
-        (token.token_id,),
-        50,
-        table,
-        samples=(SampleSpec(1, scored, tuple(ids), (token.token_id,)),),
-    )
-    (after,) = runner.step(StepPlan((follow,)))
-    assert after.prompt_logprobs is None
-
-
-def test_a_prompt_released_between_its_chunks_leaves_no_scores(tmp_path: Path) -> None:
-    """An abort between a scored prompt's chunks releases its sequence: the runner drops
-    the scores it kept for it."""
-    runner = _runner(write_tiny_model(tmp_path, "llama", tied=False))
-    ids = tuple(range(1, 11))
-    runner.step(StepPlan((ChunkPlan(3, ids[:6], 0, _table(0), score_ids=ids[1:7]),)))
-    assert runner._prompt_scores.keys() == {3}
-    runner.step(StepPlan((), released=(3,)))
-    assert runner._prompt_scores == {}
-
-
 def test_gemma3_takes_the_per_op_path_with_native_attention(tmp_path: Path) -> None:
     """The fused all-layers C call is Llama's (no extra norms, SiLU, no window): Gemma 3
     runs native linears and the windowed native attention between torch's elementwise ops."""
-    runner = _runner(write_tiny_model(tmp_path, "gemma3", tied=True), quantization="int8")
+    runner = make_runner(write_tiny_model(tmp_path, "gemma3", tied=True), quantization="int8")
     assert runner.model.attends_natively
     assert runner.model.kernels is None  # no fused layer path
     windows = [layer.self_attn.window for layer in runner.model.layers]
     assert windows == [GEMMA3_WINDOW] * 5 + [None]
-
-
-def test_a_scored_chunk_run_again_keeps_one_score_per_position(tmp_path: Path) -> None:
-    """The engine runs a failed step's chunks again (engine/isolation.py): a scored
-    prompt's chunk run twice leaves the scores of one run, not two."""
-    runner = _runner(write_tiny_model(tmp_path, "llama", tied=False))
-    ids = tuple(range(1, 11))
-    first = ChunkPlan(3, ids[:6], 0, _table(0), score_ids=ids[1:7], score_top=1)
-    runner.step(StepPlan((first,)))
-    runner.step(StepPlan((first,)))  # the step failed after scoring; it runs again
-    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
-    last = ChunkPlan(
-        3,
-        ids[6:],
-        6,
-        _table(0),
-        samples=(SampleSpec(3, params, ids, ()),),
-        score_ids=ids[7:],
-        score_top=1,
-    )
-    (token,) = runner.step(StepPlan((last,)))
-    assert token.prompt_logprobs is not None
-    assert [s.token_id for s in token.prompt_logprobs] == list(ids[1:])
