@@ -27,7 +27,6 @@ from furnace_trio.runtime.step_inputs import PrefillBatch, chunk_mask
 
 from .._model_fixtures import GEMMA3_WINDOW, write_tiny_model
 from .model_helpers import (
-    ARCHS,
     BLOCK,
     TOL,
     block_table,
@@ -36,24 +35,6 @@ from .model_helpers import (
     reference_logits,
     reference_model,
 )
-
-
-@pytest.fixture(
-    params=[(*a, n) for a in ARCHS for n in (True, False)],
-    ids=lambda a: (
-        f"{a[0]}-{'tied' if a[1] else 'untied'}"
-        f"{('-llama3rope' if a[0] == 'llama' else '-linearrope') if a[2] else ''}"
-        f"-{'native' if a[3] else 'torch'}"
-    ),
-)
-def tiny(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> tuple[ModelRunner, torch.nn.Module, int]:
-    arch, tied, rope3, native = request.param
-    path = write_tiny_model(tmp_path, arch, tied=tied, rope_llama3=rope3)
-    runner = make_runner(path, native=native)
-    assert (runner.model.layers[0].self_attn.kernels is not None) == native
-    return runner, reference_model(path), runner.config.vocab_size
 
 
 def test_prefill_then_decode_matches_transformers(
