@@ -18,7 +18,7 @@ Q4_K, Q5_K,   q4_k, q5_k,  per 256 inputs with the code sums per 16 and 32 (llam
 Q6_K          q6_k         Q8_K), so the weights' sub-block scales enter the integer sums
 ============  ===========  ==========================================================
 
-The repacking (``furnace_kq_pack`` in ``cpu_kquants.c``) reads the blocks once and writes
+The repacking (``furnace_kq_pack`` in ``cpu_repack.c``) reads the blocks once and writes
 the packed panels directly: no tensor is ever expanded to one value per weight, in float32
 or otherwise, so loading needs the packed weight's bytes plus one block's worth.
 """

@@ -591,6 +591,7 @@ void furnace_qx_linear(int bits, const float *x, int64_t M, int64_t K, const uin
 }
 
 #include "cpu_kquants.c"
+#include "cpu_repack.c"
 
 /* Decode attention over a paged KV cache: one query token per sequence.
  * q: [S, H, D]; k_cache, v_cache: [blocks, block_size, KV, D]; tables: [S, max_blocks];

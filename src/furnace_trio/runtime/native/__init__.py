@@ -1,5 +1,6 @@
-"""The native CPU kernels (``cpu_kernels.c``, with ``cpu_kquants.c``): built on first use,
-loaded through ctypes; a machine without a C compiler gets torch kernels instead.
+"""The native CPU kernels (``cpu_kernels.c``, with ``cpu_kquants.c`` and ``cpu_repack.c``):
+built on first use, loaded through ctypes; a machine without a C compiler gets torch kernels
+instead.
 
 - :mod:`.config`: how the library is built (compiler, flags, cache directory), passed in.
 - :mod:`.library`: compiling, caching and loading the shared library (:func:`load`).

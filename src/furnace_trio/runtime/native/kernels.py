@@ -164,7 +164,7 @@ class Kernels:
     def pack_blocks(self, ggml_type: int, blocks: np.ndarray, n: int, k: int) -> torch.Tensor:
         """A GGUF tensor's bytes (``n`` rows of ``k`` weights in ggml's blocks of
         ``ggml_type``: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K) -> the kernels' panels,
-        uint8, the file's values exactly (``furnace_kq_pack`` in ``cpu_kquants.c``): Q4_1
+        uint8, the file's values exactly (``furnace_kq_pack`` in ``cpu_repack.c``): Q4_1
         and Q8_0 as :meth:`pack_q4` and :meth:`pack_q8` lay them out, the others for
         :meth:`kq_linear`. Reads ``blocks`` (any C-contiguous uint8 array, a read-only
         memory map included) and keeps no reference to it."""

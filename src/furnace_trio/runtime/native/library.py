@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent.parent / "cpu_kernels.c"
 # What SOURCE includes (part of the build key).
-INCLUDES = (Path(__file__).parent.parent / "cpu_kquants.c",)
+INCLUDES = tuple(Path(__file__).parent.parent / name for name in ("cpu_kquants.c", "cpu_repack.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 
