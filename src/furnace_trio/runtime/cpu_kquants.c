@@ -270,8 +270,10 @@ static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, 
                                   const int H, const uint8_t *blk, const int j, const int8_t *a,
                                   int64_t K, vp part[][PV]) {
 #if VW > 1
-    _mm_prefetch((const char *)blk + j * (kq_code_bytes(type) / 64) + KQ_PREFETCH_BYTES,
-                 _MM_HINT_T0);
+    /* every cache line of the quad's codes (one to three), KQ_PREFETCH_BYTES ahead */
+    const int64_t step = kq_code_bytes(type) / 64;
+    for (int64_t l = 0; l < step; l += 64)
+        _mm_prefetch((const char *)blk + j * step + l + KQ_PREFETCH_BYTES, _MM_HINT_T0);
 #endif
     vb wv[PV];
     kq_codes_of(kq_extra(type), blk, j, h0, H, wv);
