@@ -36,17 +36,22 @@
  * weights read from memory once, then from L1: with many rows the kernel is bound by
  * arithmetic, not by memory), with the totals of every row in a per-thread buffer. A
  * register block is KQ_ROWS rows against half the panel's outputs (a block's codes are
- * unpacked once per four rows); a single row takes the whole panel in one pass. */
+ * unpacked once per register block); a single row takes the whole panel in one pass. */
 
 /* ggml's type numbers (gguf.GGMLQuantizationType). */
 enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14 };
 #define QK 256
 /* Rows per register block of the K-quant kernels and the nibble halves (pairs of code
- * vectors, 1 or PV / 2) each pass over a block covers: four rows against half a panel (8
- * run sums and 8 totals, 2 code vectors, the broadcasts: within AVX2's 16 registers); one
- * row alone against the whole panel. (Overridable with -D for measurements.) */
+ * vectors, 1 or PV / 2) each pass over a block covers: four rows against half a panel on
+ * AVX2 (8 run sums and 8 totals, 2 code vectors, the broadcasts: within its 16
+ * registers), six on AVX-512 (24 of its 32); one row alone against the whole panel.
+ * (Overridable with -D for measurements.) */
 #ifndef KQ_ROWS
+#if VW == 16
+#define KQ_ROWS 6
+#else
 #define KQ_ROWS 4
+#endif
 #endif
 #ifndef KQ_HALVES
 #define KQ_HALVES 1
