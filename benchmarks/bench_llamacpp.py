@@ -39,7 +39,7 @@ Without ``--llama-server`` (or ``$LLAMA_SERVER``, or ``llama-server`` on ``PATH`
 builds one from PyPI's ``llama-cpp-python`` sources first (``_llama_server.py``).
 
 ``--isa avx2`` runs both without AVX-512, as on an AVX2-only CPU (AMD Zen 3): furnace-trio with
-``FURNACE_NATIVE_FLAGS=-mno-avx512f`` (its AVX2 kernels, which use no AVX-VNNI), llama.cpp
+``FURNACE_NATIVE_FLAGS="-mno-avx512f -mno-avxvnni"`` (its AVX2 kernels), llama.cpp
 built without AVX-512 and AVX-VNNI (``build-avx2``). The memory and the cores stay this
 machine's.
 """
@@ -242,7 +242,7 @@ def main() -> None:
     print(f"instruction sets: {args.isa}; at most {args.slots} sequences decoding at once")
     furnace_env = {"FURNACE_MAX_RUNNING": str(args.slots), "FURNACE_MODEL": str(gguf)}
     if args.isa == "avx2":
-        furnace_env["FURNACE_NATIVE_FLAGS"] = "-mno-avx512f"
+        furnace_env["FURNACE_NATIVE_FLAGS"] = "-mno-avx512f -mno-avxvnni"
 
     port = free_port()
     started = time.perf_counter()

@@ -31,17 +31,15 @@ from gguf import GGMLQuantizationType as T
 from furnace_trio.runtime import native
 from furnace_trio.runtime.blocks import BLOCK_FORMATS, BlockLinear, linear_from_blocks
 
-BUILDS = {"native": (), "plain-c": ("-march=x86-64",)}
+from .native_builds import BUILDS, load_build
+
 TYPES = [T.Q4_0, T.Q5_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
 def kernels(request: pytest.FixtureRequest) -> native.Kernels:
-    k = native.load(extra_flags=BUILDS[request.param])
-    assert k is not None, "the native kernels must build on the test machine (a C compiler)"
-    assert (k.vector_width == 1) == (request.param == "plain-c")
-    return k
+    return load_build(request.param)
 
 
 def _f16(rng: np.random.Generator, shape: tuple[int, ...], low: float, high: float) -> np.ndarray:

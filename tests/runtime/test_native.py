@@ -24,27 +24,12 @@ from furnace_trio.runtime.quant import (
     quantize_weight,
 )
 
-# The kernels for this CPU, and the narrower builds a CPU without VNNI, without AVX-512 or
-# without AVX2 gets: every kernel test runs on each build this machine can execute.
-BUILDS = {
-    "native": (),
-    "no-vnni": ("-mno-avx512vnni",),
-    "no-avx512": ("-mno-avx512f",),
-    "plain-c": ("-march=x86-64",),
-}
+from .native_builds import BUILDS, load_build
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
 def kernels(request: pytest.FixtureRequest) -> native.Kernels:
-    k = native.load(extra_flags=BUILDS[request.param])
-    assert k is not None, "the native kernels must build on the test machine (a C compiler)"
-    if request.param == "plain-c":
-        assert k.vector_width == 1
-    elif request.param == "no-avx512":
-        assert k.vector_width in (1, 8)
-    elif request.param == "no-vnni":
-        assert k.vector_width in (1, 8, 16)
-    return k
+    return load_build(request.param)
 
 
 def _w8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):

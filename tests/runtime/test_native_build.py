@@ -22,15 +22,6 @@ from furnace_trio.runtime.quant import (
     quantize_weight,
 )
 
-# The kernels for this CPU, and the narrower builds a CPU without VNNI, without AVX-512 or
-# without AVX2 gets: every kernel test runs on each build this machine can execute.
-BUILDS = {
-    "native": (),
-    "no-vnni": ("-mno-avx512vnni",),
-    "no-avx512": ("-mno-avx512f",),
-    "plain-c": ("-march=x86-64",),
-}
-
 
 def test_build_is_cached_per_machine() -> None:
     kernels = native.load()

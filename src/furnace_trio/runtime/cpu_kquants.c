@@ -71,8 +71,10 @@ enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K
  * Runs (vp): the products of a few quads summed per lane before a sub-block's scale
  * multiplies them. Without VNNI a run is the int16 pair sums of vpmaddubsw added with
  * vpaddw (KQ_RUN32 undefined), met by the scale in one vpmaddwd per run instead of one
- * per quad: half the multiplies of the quad-by-quad form. With VNNI (and in plain C) a run
- * is int32 (vpdpbusd) and meets the scale in one vpmulld. vs_scale widens a scale to what
+ * per quad: half the multiplies of the quad-by-quad form. With AVX-512's VNNI (and in
+ * plain C) a run is int32 (vpdpbusd) and meets the scale in one vpmulld. The 256-bit
+ * AVX-VNNI keeps the int16 runs: its vpdpbusd chains a run's quads through a 5-cycle
+ * accumulation, where vpaddw's chain takes one (slower at 16 rows, docs/benchmarks.md). vs_scale widens a scale to what
  * vi_scaled multiplies with (both int16 halves for vpmaddwd). */
 #if VW == 16
 typedef vi vp;

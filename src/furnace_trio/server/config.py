@@ -350,9 +350,9 @@ class ServerConfig:
             Setting(
                 "FURNACE_NATIVE_FLAGS",
                 "Extra compiler flags (shell words) for the native kernels, after "
-                "`-O3 -march=native`: `-mno-avx512f` builds the AVX2 kernels on an AVX-512 CPU "
-                "(what `benchmarks/bench_llamacpp.py --isa avx2` compares); each set of flags is "
-                "built once and cached.",
+                "`-O3 -march=native`: `-mno-avx512f -mno-avxvnni` builds the AVX2 kernels on an "
+                "AVX-512 CPU, as an AMD Zen 3 runs them (what `benchmarks/bench_llamacpp.py "
+                "--isa avx2` compares); each set of flags is built once and cached.",
                 "unset",
             ),
             Setting(

@@ -138,9 +138,10 @@ def load(
     """The kernels, building them if needed; ``None`` where they cannot be built here.
 
     ``config.flags`` and then ``extra_flags`` go after :data:`FLAGS`: tests build the AVX2
-    and plain-C variants on an AVX-512 machine with ``-mno-avx512f`` and ``-march=x86-64``,
-    and a server configured with ``FURNACE_NATIVE_FLAGS=-mno-avx512f`` runs the AVX2 build
-    (what a CPU without AVX-512 runs, for comparisons on this one).
+    and plain-C variants on an AVX-512 machine with ``-mno-avx512f -mno-avxvnni`` and
+    ``-march=x86-64`` (tests/runtime/native_builds.py), and a server configured with
+    ``FURNACE_NATIVE_FLAGS="-mno-avx512f -mno-avxvnni"`` runs the AVX2 build (what a CPU
+    without AVX-512 or AVX-VNNI runs, for comparisons on this one).
     """
     extra_flags = (*config.flags, *extra_flags)
     compiler = _compiler(config)
