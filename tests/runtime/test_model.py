@@ -236,7 +236,8 @@ def test_q4_fused_decode_equals_per_op_path(tmp_path: Path, arch: str) -> None:
     """The 4-bit runtime on weights already on the 4-bit grid (as a Q4_1 file's): ``auto``
     turns every layer's linears into 4-bit ones, losslessly; the fused all-decode step equals
     the per-op path bitwise and stays close to the float runtime on the same weights (only
-    activations are rounded, 8 bits per group of 32). qwen3 has q/k norms: per-op only."""
+    activations are rounded, 8 bits per group of 32). qwen3 has q/k norms: its decode steps
+    run the per-layer native path either way."""
     path = write_tiny_model(tmp_path, arch, tied=False, rope_llama3=False)
     config, weights = load_hf_directory(path)
     grid = {
@@ -260,10 +261,10 @@ def test_q4_fused_decode_equals_per_op_path(tmp_path: Path, arch: str) -> None:
     runner.logits(prompts)
     reference.logits(prompts)
     kernels = runner.model.kernels
-    if arch == "qwen3":
-        assert kernels is None  # q/k norms: torch ops around the native linears
-    else:
-        assert kernels is not None
+    assert kernels is not None  # the native layers, q/k norms included
+    # q/k norms: the per-layer native path only; Llama-shaped layers also fuse
+    assert runner.model._fusable == (arch != "qwen3")
+    if arch != "qwen3":
         assert runner.model._decode_layer_ptrs(runner.cache, kernels) is not None
     fused = runner.logits(decodes)
     runner.model.fused_decode = False
@@ -326,11 +327,19 @@ def test_rms_norm_is_the_float32_formula_rounded_once_to_its_dtype(dtype: torch.
     torch.testing.assert_close(out.double(), exact, rtol=max(half_ulp, 1e-6), atol=0)
 
 
-def test_gemma3_takes_the_per_op_path_with_native_attention(tmp_path: Path) -> None:
-    """The fused all-layers C call is Llama's (no extra norms, SiLU, no window): Gemma 3
-    runs native linears and the windowed native attention between torch's elementwise ops."""
-    runner = make_runner(write_tiny_model(tmp_path, "gemma3", tied=True), quantization="int8")
-    assert runner.model.attends_natively
-    assert runner.model.kernels is None  # no fused layer path
-    windows = [layer.self_attn.window for layer in runner.model.layers]
+def test_gemma3_runs_the_native_layers_and_matches_the_torch_path(tmp_path: Path) -> None:
+    """Gemma 3's q/k norms, sandwich norms, GELU gate, scaled embedding and sliding windows
+    (window 6: the 13-token sequence's decode sees only its last 6) run through the native
+    per-layer path, not the Llama-only fused call; its logits equal the torch path's to
+    float32 rounding, at once and after prefill."""
+    path = write_tiny_model(tmp_path, "gemma3", tied=True)
+    native, torch_path = make_runner(path), make_runner(path, native=False)
+    assert native.model.attends_natively and native.model.kernels is not None
+    assert not native.model._fusable
+    assert torch_path.model.kernels is None and not torch_path.model.attends_natively
+    windows = [layer.self_attn.window for layer in native.model.layers]
     assert windows == [GEMMA3_WINDOW] * 5 + [None]
+    seqs, prompts, decodes = ragged_decode(native.model.config.vocab_size)
+    assert max(len(s) for s in seqs) > GEMMA3_WINDOW
+    torch.testing.assert_close(native.logits(prompts), torch_path.logits(prompts), rtol=TOL, atol=TOL)
+    torch.testing.assert_close(native.logits(decodes), torch_path.logits(decodes), rtol=TOL, atol=TOL)

@@ -968,6 +968,52 @@ void furnace_silu_mul(const float *gu, int64_t M, int64_t I, float *out) {
     }
 }
 
+/* out[m] = gelu_tanh(gu[m, :I]) * gu[m, I:] (Gemma's gate): gelu_tanh(g) = g / 2 (1 +
+ * tanh(z)), z = sqrt(2 / pi) (g + 0.044715 g^3), with tanh(z) = 1 - 2 / (exp(2 z) + 1). */
+void furnace_gelu_mul(const float *gu, int64_t M, int64_t I, float *out) {
+    const int64_t iv = I - I % VW;
+    const float c = 0.7978845608028654f, a = 0.044715f;
+#pragma omp parallel for schedule(static) if (M * I >= PARALLEL_ELEMENTS)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gu + m * 2 * I, *u = g + I;
+        float *o = out + m * I;
+        for (int64_t i = 0; i < iv; i += VW) {
+            const vf gv = v_load(g + i);
+            const vf z = v_mul(v_set1(c), v_fma(v_mul(v_set1(a), gv), v_mul(gv, gv), gv));
+            const vf e = v_add(v_exp(v_add(z, z)), v_set1(1.0f));
+            const vf th = v_add(v_set1(1.0f), v_div(v_set1(-2.0f), e));
+            const vf gelu = v_mul(v_mul(v_set1(0.5f), gv), v_add(v_set1(1.0f), th));
+            v_store(o + i, v_mul(gelu, v_load(u + i)));
+        }
+        for (int64_t i = iv; i < I; i++) {
+            const float z = c * (g[i] + a * g[i] * g[i] * g[i]);
+            o[i] = 0.5f * g[i] * (1.0f + tanhf(z)) * u[i];
+        }
+    }
+}
+
+/* RMSNorm of each query head with wq and each key head with wk ([D] each), in place in the
+ * fused projection qkv [T, (H + 2 KV) D] (Gemma 3's and Qwen3's q/k norms); values untouched. */
+void furnace_head_rmsnorm(float *qkv, int64_t T, int64_t H, int64_t KV, int64_t D,
+                          const float *wq, const float *wk, float eps) {
+    const int64_t width = (H + 2 * KV) * D, dv = D - D % VW;
+#pragma omp parallel for schedule(static) if (T * width >= PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t head = 0; head < H + KV; head++) {
+            float *x = qkv + t * width + head * D;
+            const float *w = head < H ? wq : wk;
+            vf acc = v_zero();
+            for (int64_t d = 0; d < dv; d += VW) {
+                const vf v = v_load(x + d);
+                acc = v_fma(v, v, acc);
+            }
+            float ss = v_sum(acc);
+            for (int64_t d = dv; d < D; d++) ss += x[d] * x[d];
+            const float r = 1.0f / sqrtf(ss / (float)D + eps);
+            for (int64_t d = 0; d < D; d++) x[d] = (x[d] * r) * w[d];
+        }
+}
+
 /* out[m] = the first index of the largest value of x[m] (x: [M, N]), as torch.argmax:
  * a NaN counts as the largest (the first NaN wins). One vector pass for the maximum (and a
  * sum of x * 0, NaN when a NaN or an infinity is there: then an exact scalar pass), then a

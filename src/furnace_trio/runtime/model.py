@@ -81,34 +81,37 @@ class Transformer(nn.Module):
         # The fused native layer path (float32 on the CPU), set by use_native.
         self.kernels: native.Kernels | None = None
         # All-decode steps through every layer in one native call (tests turn it off to
-        # compare with the per-op path).
+        # compare with the per-op path); use_native says whether the layers allow it.
         self.fused_decode = True
+        self._fusable = False
         # The all-decode step in one native call: its shapes and address table.
         self._fused = native_forward.FusedDecode(config)
 
     def use_native(self, kernels: native.Kernels | None) -> None:
         """Run float32 CPU steps with the native kernels (``None``: torch only).
 
-        Decode attention always goes native then; the fused layer path (norms, rotary
-        embedding and cache writes, SiLU) too, except for models with q/k norms (Gemma 3
-        among them): those run the torch path's elementwise ops between native linears and
-        native attention.
+        Decode attention always goes native then, and so do the elementwise ops between
+        the linears (:func:`~.native_forward.run_layers`), except in a mixture of experts;
+        an all-decode step runs every layer in one call where the layers are Llama-shaped
+        (no q/k norms, sandwich norms, GELU or sliding windows).
         """
         if kernels is not None and self.config.num_heads // self.config.num_kv_heads > 64:
             kernels = None  # the kernel keeps at most 64 query heads per KV head
         for module in self.layers:
             cast(DecoderLayer, module).self_attn.kernels = kernels
         c = self.config
-        fused = kernels is not None and not (
+        native_layers = kernels is not None and c.moe is None
+        self.kernels = (
+            kernels if native_layers and self.embed_tokens.dtype == torch.float32 else None
+        )
+        self._fusable = not (
             c.qk_norm
             or c.sandwich_norms
             or c.hidden_activation != "silu"
             or c.embedding_multiplier != 1.0
             or c.final_logit_softcapping is not None
             or any(c.sliding_layers)
-            or c.moe is not None
         )
-        self.kernels = kernels if fused and self.embed_tokens.dtype == torch.float32 else None
         self._fused = native_forward.FusedDecode(self.config)
 
     @property
@@ -121,7 +124,7 @@ class Transformer(nn.Module):
         """Run one step; return float32 logits ``[len(logit_rows), vocab]``."""
         kernels = self.kernels  # set only for float32 CPU runners (use_native)
         all_decodes = len(inputs.decode_rows) == len(inputs.context_lens)
-        if kernels is not None and all_decodes and self.fused_decode:
+        if kernels is not None and all_decodes and self.fused_decode and self._fusable:
             logits = self._forward_fused_decode(inputs, cache, kernels)
             if logits is not None:
                 return logits
@@ -175,13 +178,21 @@ class Transformer(nn.Module):
         """:meth:`forward` with a layer's elementwise work fused into native calls
         (:func:`~.native_forward.run_layers`)."""
         x = self.embed_tokens(inputs.input_ids)  # a fresh tensor: updated in place
-        cos, sin = self._rotary(inputs.positions, max(inputs.context_lens))
+        if self._embedding_multiplier != 1.0:
+            x.mul_(self._embedding_multiplier)
+        end = max(inputs.context_lens)
+        cos, sin = self._rotary(inputs.positions, end)
+        local = self._rotary(inputs.positions, end, local=True) if self._local_rope else None
         layers = [cast(DecoderLayer, m) for m in self.layers]
         eps = self.config.rms_norm_eps
-        native_forward.run_layers(layers, x, cos, sin, cache, inputs, kernels, eps)
-        return native_forward.final_logits(
+        native_forward.run_layers(layers, x, cos, sin, cache, inputs, kernels, eps, local)
+        logits = native_forward.final_logits(
             x, inputs.logit_rows, self.norm, self.lm_head, eps, kernels
         )
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def _forward_fused_decode(
         self, inputs: StepInputs, cache: KVCache, kernels: native.Kernels

@@ -12,9 +12,11 @@ linears fused into native calls:
 - :func:`final_logits`: the final norm (native) and the LM head, for the rows that need
   logits.
 
-Models with q/k norms, sandwich norms, GELU, a scaled embedding, a logit softcap or
-sliding windows (Gemma 3) run the torch path instead, with native linears and native
-decode attention (:meth:`~furnace_trio.runtime.model.Transformer.use_native` decides).
+:func:`run_layers` also takes what Gemma 3 and Qwen3 add: q/k norms (one native call
+before the rotary embedding), sandwich norms (two native norm calls where Llama has one),
+the GELU gate, and a second rotary table for sliding-window layers (the window itself is
+the decode-attention kernel's). :class:`FusedDecode` takes Llama-shaped layers only
+(:meth:`~furnace_trio.runtime.model.Transformer.use_native` decides).
 """
 
 from __future__ import annotations
@@ -44,10 +46,20 @@ def attention(
     inputs: StepInputs,
     kernels: native.Kernels,
 ) -> torch.Tensor:
-    """``attn``'s forward with the rotary embedding and the cache writes in one native call
-    (float32, float16 or int8 CPU caches, no q/k norm); ``cos``/``sin`` are ``[T, D]``."""
+    """``attn``'s forward with its q/k norms (where it has them), and the rotary embedding
+    and the cache writes, each in one native call (float32, float16 or int8 CPU caches);
+    ``cos``/``sin`` are ``[T, D]``."""
     tokens = x.shape[0]
     qkv = attn.qkv_proj(x)
+    if attn.q_norm is not None and attn.k_norm is not None:
+        kernels.head_rmsnorm(
+            qkv,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.q_norm.weight,
+            attn.k_norm.weight,
+            attn.q_norm.eps,
+        )
     q = torch.empty((tokens, attn.num_heads, attn.head_dim))
     k = torch.empty((tokens, attn.num_kv_heads, attn.head_dim))
     kernels.rope_store(qkv, cos, sin, inputs.slot_mapping, kv.k, kv.v, q, k, kv.scales)
@@ -56,9 +68,12 @@ def attention(
 
 
 def mlp(block: MLP, x: torch.Tensor, kernels: native.Kernels) -> torch.Tensor:
-    """``block``'s forward with the SiLU gate in one native call."""
+    """``block``'s forward with the SiLU (or GELU) gate in one native call."""
     act = torch.empty((x.shape[0], block.intermediate))
-    kernels.silu_mul(block.gate_up_proj(x), act)
+    if block.gelu:
+        kernels.gelu_mul(block.gate_up_proj(x), act)
+    else:
+        kernels.silu_mul(block.gate_up_proj(x), act)
     return block.down_proj(act)
 
 
@@ -71,16 +86,29 @@ def run_layers(
     inputs: StepInputs,
     kernels: native.Kernels,
     eps: float,
+    local: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Every layer over the embeddings ``x`` (a fresh tensor: updated in place to the
-    residual stream after the last layer)."""
+    residual stream after the last layer); ``local``: the sliding-window layers' ``cos`` and
+    ``sin`` where they have a table of their own."""
     normed = torch.empty_like(x)
+    sandwich = layers[0].pre_feedforward_layernorm is not None
+    outer = torch.empty_like(x) if sandwich else normed
     kernels.add_rmsnorm(x, None, layers[0].input_layernorm.weight, eps, normed)
     for i, layer in enumerate(layers):
-        h = attention(layer.self_attn, normed, cos, sin, cache.layers[i], inputs, kernels)
-        kernels.add_rmsnorm(x, h, layer.post_attention_layernorm.weight, eps, normed)
+        c, s = local if local is not None and layer.self_attn.window is not None else (cos, sin)
+        h = attention(layer.self_attn, normed, c, s, cache.layers[i], inputs, kernels)
+        pre_mlp, post_mlp = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
+        if pre_mlp is None or post_mlp is None:
+            kernels.add_rmsnorm(x, h, layer.post_attention_layernorm.weight, eps, normed)
+        else:  # x += norm2(h), then the MLP's own input norm
+            kernels.add_rmsnorm(h, None, layer.post_attention_layernorm.weight, eps, outer)
+            kernels.add_rmsnorm(x, outer, pre_mlp.weight, eps, normed)
         # dense layers only: a mixture of experts never gets the native kernels
         h = mlp(cast(MLP, layer.mlp), normed, kernels)
+        if post_mlp is not None:  # the MLP's output normed before the residual add
+            kernels.add_rmsnorm(h, None, post_mlp.weight, eps, outer)
+            h = outer
         if i + 1 < len(layers):
             kernels.add_rmsnorm(x, h, layers[i + 1].input_layernorm.weight, eps, normed)
         else:

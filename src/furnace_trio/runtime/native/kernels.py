@@ -48,6 +48,12 @@ class Kernels:
         self._silu_mul = lib.furnace_silu_mul
         self._silu_mul.argtypes = [_P, _I, _I, _P]
         self._silu_mul.restype = None
+        self._gelu_mul = lib.furnace_gelu_mul
+        self._gelu_mul.argtypes = [_P, _I, _I, _P]
+        self._gelu_mul.restype = None
+        self._head_rmsnorm = lib.furnace_head_rmsnorm
+        self._head_rmsnorm.argtypes = [_P, _I, _I, _I, _I, _P, _P, ctypes.c_float]
+        self._head_rmsnorm.restype = None
         self.layer_ptrs = int(lib.furnace_layer_ptrs())
         self._decode_layers = lib.furnace_decode_layers
         self._decode_layers.argtypes = [_I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P]
@@ -313,6 +319,34 @@ class Kernels:
         """``out = silu(gate_up[:, :I]) * gate_up[:, I:]``; ``gate_up`` ``[M, 2I]``."""
         m, i = out.shape
         self._silu_mul(gate_up.data_ptr(), m, i, out.data_ptr())
+
+    def gelu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = gelu_tanh(gate_up[:, :I]) * gate_up[:, I:]``; ``gate_up`` ``[M, 2I]``."""
+        m, i = out.shape
+        self._gelu_mul(gate_up.data_ptr(), m, i, out.data_ptr())
+
+    def head_rmsnorm(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+    ) -> None:
+        """RMSNorm of every query head (``q_weight``) and key head (``k_weight``) of the
+        fused projection ``qkv`` ``[T, (heads + 2 kv_heads) D]``, in place."""
+        d = q_weight.shape[0]
+        self._head_rmsnorm(
+            qkv.data_ptr(),
+            qkv.shape[0],
+            heads,
+            kv_heads,
+            d,
+            q_weight.data_ptr(),
+            k_weight.data_ptr(),
+            eps,
+        )
 
     def decode_layers(
         self,
