@@ -341,5 +341,9 @@ def test_gemma3_runs_the_native_layers_and_matches_the_torch_path(tmp_path: Path
     assert windows == [GEMMA3_WINDOW] * 5 + [None]
     seqs, prompts, decodes = ragged_decode(native.model.config.vocab_size)
     assert max(len(s) for s in seqs) > GEMMA3_WINDOW
-    torch.testing.assert_close(native.logits(prompts), torch_path.logits(prompts), rtol=TOL, atol=TOL)
-    torch.testing.assert_close(native.logits(decodes), torch_path.logits(decodes), rtol=TOL, atol=TOL)
+    torch.testing.assert_close(
+        native.logits(prompts), torch_path.logits(prompts), rtol=TOL, atol=TOL
+    )
+    torch.testing.assert_close(
+        native.logits(decodes), torch_path.logits(decodes), rtol=TOL, atol=TOL
+    )
