@@ -36,7 +36,8 @@
  * weights read from memory once, then from L1: with many rows the kernel is bound by
  * arithmetic, not by memory), with the totals of every row in a per-thread buffer. A
  * register block is KQ_ROWS rows against half the panel's outputs (a block's codes are
- * unpacked once per register block); a single row takes the whole panel in one pass. */
+ * unpacked once per register block, or once for all of them: kq_unpack_first); a single
+ * row takes the whole panel in one pass. */
 
 /* ggml's type numbers (gguf.GGMLQuantizationType). */
 enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14 };
@@ -272,18 +273,25 @@ static ALWAYS_INLINE int kq_run(const int type) {
 #endif
 }
 
-/* Quad j of a block against R rows into their runs: the first quad of a run starts them. */
+/* Quad j of a block against R rows into their runs: the first quad of a run starts them.
+ * The codes come unpacked from pre (kq_unpack_first) or are unpacked here. */
 static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, const int h0,
-                                  const int H, const uint8_t *blk, const int j, const int8_t *a,
-                                  int64_t K, vp part[][PV]) {
-#if VW > 1
-    /* every cache line of the quad's codes (one to three), KQ_PREFETCH_BYTES ahead */
-    const int64_t step = kq_code_bytes(type) / 64;
-    for (int64_t l = 0; l < step; l += 64)
-        _mm_prefetch((const char *)blk + j * step + l + KQ_PREFETCH_BYTES, _MM_HINT_T0);
-#endif
+                                  const int H, const uint8_t *blk, const vb *pre, const int j,
+                                  const int8_t *a, int64_t K, vp part[][PV]) {
     vb wv[PV];
-    kq_codes_of(kq_extra(type), blk, j, h0, H, wv);
+    if (pre) {
+#pragma GCC unroll 4
+        for (int v = 0; v < PV; v++)
+            if (kq_in(v, h0, H)) wv[v] = pre[j * PV + v];
+    } else {
+#if VW > 1
+        /* every cache line of the quad's codes (one to three), KQ_PREFETCH_BYTES ahead */
+        const int64_t step = kq_code_bytes(type) / 64;
+        for (int64_t l = 0; l < step; l += 64)
+            _mm_prefetch((const char *)blk + j * step + l + KQ_PREFETCH_BYTES, _MM_HINT_T0);
+#endif
+        kq_codes_of(kq_extra(type), blk, j, h0, H, wv);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         const vb xb = vb_set4(a + r * K + 4 * j);
@@ -301,7 +309,7 @@ static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, 
  * Q4_K and Q5_K ([4][PV], against the sums per 32) or the scales of Q6_K ([8][PV], against
  * the sums per 16). */
 static ALWAYS_INLINE void kq_super_rows(const int type, const int R, const int h0, const int H,
-                                        const uint8_t *blk, const vi *scv, const vi *cp,
+                                        const uint8_t *blk, const vb *pre, const vi *scv, const vi *cp,
                                         const int8_t *a,
                                         int64_t K, const q8k_sums *sums, int64_t groups,
                                         float *tot) {
@@ -316,9 +324,9 @@ static ALWAYS_INLINE void kq_super_rows(const int type, const int R, const int h
 #pragma GCC unroll 1
     for (int j0 = 0; j0 < QK / 4; j0 += run) {
         vp part[KQ_ROWS][PV];
-        kq_quad(type, 1, R, h0, H, blk, j0, a, K, part);
+        kq_quad(type, 1, R, h0, H, blk, pre, j0, a, K, part);
 #pragma GCC unroll 1
-        for (int j = j0 + 1; j < j0 + run; j++) kq_quad(type, 0, R, h0, H, blk, j, a, K, part);
+        for (int j = j0 + 1; j < j0 + run; j++) kq_quad(type, 0, R, h0, H, blk, pre, j, a, K, part);
         const vi *sc = scv + (j0 / quads) * PV;
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++)
@@ -416,7 +424,7 @@ static ALWAYS_INLINE void kq_block_scales(const int type, const uint8_t *blk, vi
  * h0 + KQ_HALVES - 1, KQ_ROWS rows at a time. */
 static ALWAYS_INLINE void kq_super_pass(const int type, const int h0, const int8_t *a,
                                         const void *act, int64_t M, int64_t K, int64_t g,
-                                        const uint8_t *blk, const vi *scv, const vi *cp,
+                                        const uint8_t *blk, const vb *pre, const vi *scv, const vi *cp,
                                         float *tot) {
     const int64_t groups = K / QK;
     for (int64_t m0 = 0; m0 < M; m0 += KQ_ROWS) {
@@ -425,7 +433,7 @@ static ALWAYS_INLINE void kq_super_pass(const int type, const int h0, const int8
         const q8k_sums *q = (const q8k_sums *)act + m0 * groups + g;
         switch (M - m0 < KQ_ROWS ? M - m0 : KQ_ROWS) {
 #define KQ_CASE(R)                                                                         \
-    case R: kq_super_rows(type, R, h0, KQ_HALVES, blk, scv, cp, am, K, q, groups, tm); break;
+    case R: kq_super_rows(type, R, h0, KQ_HALVES, blk, pre, scv, cp, am, K, q, groups, tm); break;
             KQ_CASE(1)
             KQ_CASE(2)
 #if KQ_ROWS > 2
@@ -441,22 +449,42 @@ static ALWAYS_INLINE void kq_super_pass(const int type, const int h0, const int8
     }
 }
 
+/* Whether a K-quant block's codes are unpacked once into L1 (pre below) for all its
+ * register blocks of several rows, rather than by each pass: on AVX2 for every K-quant, on
+ * AVX-512 for Q6_K only, whose codes take the most unpacking (where it measured faster;
+ * docs/benchmarks.md). */
+static ALWAYS_INLINE int kq_unpack_first(const int type) {
+    return VW == 8 || (VW == 16 && type == GG_Q6_K);
+}
+
 /* Every row against one panel w of type `type` (a compile-time constant after inlining). */
 static ALWAYS_INLINE void kq_panel(const int type, const int8_t *a, const void *act, int64_t M,
                                    int64_t K, const uint8_t *w, float *tot) {
     const int64_t groups = K / kq_block_k(type), bytes = kq_block_bytes(type);
     vi scv[16 * PV], cp[8 * PV];
+    vb pre[QK / 4 * PV]; /* a K-quant block's codes, unpacked (more than one row) */
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = w + g * bytes;
         if (kq_block_k(type) == QK) kq_block_scales(type, blk, scv, cp);
         if (kq_block_k(type) == QK) {
             if (M == 1) /* one row: all of the panel at once, the registers allow it */
-                kq_super_rows(type, 1, 0, PV / 2, blk, scv, cp, a + g * QK, K,
+                kq_super_rows(type, 1, 0, PV / 2, blk, NULL, scv, cp, a + g * QK, K,
                               (const q8k_sums *)act + g, groups, tot);
             else
             {
-                kq_super_pass(type, 0, a, act, M, K, g, blk, scv, cp, tot);
-                if (KQ_HALVES < PV / 2) kq_super_pass(type, 1, a, act, M, K, g, blk, scv, cp, tot);
+                const vb *codes = kq_unpack_first(type) ? pre : NULL;
+                for (int j = 0; codes && j < QK / 4; j++) {
+#if VW > 1
+                    const int64_t step = kq_code_bytes(type) / 64;
+                    for (int64_t l = 0; l < step; l += 64)
+                        _mm_prefetch((const char *)blk + j * step + l + KQ_PREFETCH_BYTES,
+                                     _MM_HINT_T0);
+#endif
+                    kq_codes(kq_extra(type), blk, j, pre + j * PV);
+                }
+                kq_super_pass(type, 0, a, act, M, K, g, blk, codes, scv, cp, tot);
+                if (KQ_HALVES < PV / 2)
+                    kq_super_pass(type, 1, a, act, M, K, g, blk, codes, scv, cp, tot);
             }
             continue;
         }
