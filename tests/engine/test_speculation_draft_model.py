@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from furnace_trio.core.params import SamplingParams
-from furnace_trio.core.plan import StepPlan
+from furnace_trio.core.plan import SampledToken, StepPlan
 from furnace_trio.engine import Delta, Engine, EngineConfig, GenerationRequest, SpeculationConfig
 from furnace_trio.runtime.draft import DraftModel
 from furnace_trio.runtime.runner import ModelRunner
@@ -43,6 +43,9 @@ class ScriptedDrafter:
         return plan.with_drafts(proposals)
 
     def release(self, seq_ids: Iterable[int]) -> None:
+        pass
+
+    def observe(self, plan: StepPlan, tokens: Sequence[SampledToken]) -> None:
         pass
 
 

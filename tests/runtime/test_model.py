@@ -22,8 +22,8 @@ from furnace_trio.runtime import step_inputs as step_inputs_module
 from furnace_trio.runtime.attention import chunk_attention
 from furnace_trio.runtime.layers import RMSNorm
 from furnace_trio.runtime.quant import NativeQ4Linear, dequantize_q4, quantize_q4
-from furnace_trio.runtime.runner import ModelRunner, RunnerConfig, build_inputs
-from furnace_trio.runtime.step_inputs import PrefillBatch, chunk_mask
+from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
+from furnace_trio.runtime.step_inputs import PrefillBatch, build_inputs, chunk_mask
 
 from .._model_fixtures import GEMMA3_WINDOW, write_tiny_model
 from .model_helpers import (

@@ -9,8 +9,8 @@ import torch
 
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import ChunkPlan, SampleSpec, StepPlan
-from furnace_trio.runtime.runner import build_inputs
 from furnace_trio.runtime.sampling import sample
+from furnace_trio.runtime.step_inputs import build_inputs
 from furnace_trio.runtime.verification import accept_drafts, draft_specs
 
 TRIALS = 40_000

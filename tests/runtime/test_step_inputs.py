@@ -10,7 +10,7 @@ import torch
 
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import ChunkPlan, SampleSpec, StepPlan
-from furnace_trio.runtime.runner import build_inputs
+from furnace_trio.runtime.step_inputs import build_inputs
 
 from .._model_fixtures import write_tiny_model
 from .model_helpers import (

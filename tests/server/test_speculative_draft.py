@@ -30,6 +30,15 @@ from .test_speculative import EDIT, _answers
 pytestmark = pytest.mark.model
 
 
+def spec_counts(metrics: str) -> dict[str, float]:
+    """The drafted and accepted token totals of a ``/metrics`` page, by metric name."""
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith(("furnace_spec_drafted_tokens_total ", "furnace_spec_accepted"))
+    }
+
+
 def _draft_config(**fields: object) -> ServerConfig:
     return ServerConfig(
         device="cpu", kv_cache_mb=32, speculative=f"draft:{default_model_path()}", **fields
@@ -42,11 +51,7 @@ async def test_a_drafting_server_answers_as_one_that_does_not() -> None:
     spec, spec_stream, metrics = await _answers(_draft_config())
     assert spec == plain
     assert "".join(spec_stream) == "".join(plain_stream) == plain[0][0][0]
-    counts = {
-        line.split()[0]: float(line.split()[1])
-        for line in metrics.splitlines()
-        if line.startswith(("furnace_spec_drafted_tokens_total ", "furnace_spec_accepted"))
-    }
+    counts = spec_counts(metrics)
     drafted = counts["furnace_spec_drafted_tokens_total"]
     assert drafted > 0
     # the model drafting for itself: its drafts miss only past the ends of the answers

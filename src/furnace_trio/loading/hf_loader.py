@@ -1,8 +1,9 @@
 """Load a Hugging Face model directory: ``config.json`` + safetensors -> config, weights.
 
 Accepted: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM``, ``Gemma3ForCausalLM`` (text-only, ``gemma3_text``),
-``Phi3ForCausalLM`` (see :mod:`~furnace_trio.loading.phi3`), and the mixtures of experts
+``Qwen3ForCausalLM``, ``MiMoForCausalLM`` (Qwen2 with multi-token-prediction layers,
+``model.mtp_layers.*``, for speculative decoding), ``Gemma3ForCausalLM`` (text-only,
+``gemma3_text``), ``Phi3ForCausalLM`` (see :mod:`~furnace_trio.loading.phi3`), and the mixtures of experts
 ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` and ``Qwen3MoeForCausalLM`` (see
 :mod:`~furnace_trio.loading.moe`) checkpoints, in one ``model.safetensors`` or sharded through
 ``model.safetensors.index.json``. Weights come back as records over the memory-mapped
@@ -31,6 +32,7 @@ from typing import Any
 import gguf
 
 from furnace_trio.loading.model_config import (
+    MTP_PREFIX,
     ModelConfig,
     RopeScaling,
     UnsupportedModelError,
@@ -49,6 +51,7 @@ _MODEL_TYPES = {
     "llama": "llama",
     "mistral": "mistral",
     "qwen2": "qwen2",
+    "mimo": "qwen2",
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
     "phi3": "phi3",
@@ -60,6 +63,7 @@ _CLASS_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "MiMoForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
@@ -107,6 +111,9 @@ def load_hf_directory(path: str | Path) -> tuple[ModelConfig, LazyWeights]:
         records = _split_phi3(records, config)
     if config.moe is not None:
         records = hf_moe_records(records, config.moe)
+    if config.mtp_layers and not any(n.startswith(MTP_PREFIX) for n in records):
+        logger.info("%s: the config names MTP layers, the weights have none", directory)
+        config = dataclasses.replace(config, mtp_layers=0)
     if config.tie_word_embeddings:
         records.pop("lm_head.weight", None)
     elif "lm_head.weight" not in records:
@@ -202,6 +209,7 @@ def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:
         attention_bias=arch in ("qwen2", "qwen2moe") or bool(raw.get("attention_bias", False)),
         qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
         rope_scaling=None if arch in ("gemma3", "phi3") else _rope_scaling(rope),
+        mtp_layers=int(raw.get("num_nextn_predict_layers") or 0) if arch == "qwen2" else 0,
         **extra,
     )
 

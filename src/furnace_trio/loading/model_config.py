@@ -25,6 +25,8 @@ SUPPORTED_ARCHITECTURES = (
     "qwen2moe",
     "qwen3moe",
 )
+#: Where a checkpoint keeps its multi-token-prediction layers (MiMo's names).
+MTP_PREFIX = "model.mtp_layers."
 #: Activations of the gated MLP: SiLU (Llama), GELU with the tanh approximation (Gemma).
 HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -116,7 +118,9 @@ class ModelConfig:
     Phi-3 is Llama's pass with LongRoPE (``longrope``) and, where its window is shorter
     than its context, every layer sliding; its fused ``qkv_proj`` and ``gate_up_proj``
     are split into Llama's names by the loaders. ``moe``: the experts of a
-    mixture-of-experts model (:class:`MoE`).
+    mixture-of-experts model (:class:`MoE`). ``mtp_layers``: the multi-token-prediction
+    layers the file ships beside the decoder (MiMo's ``model.mtp_layers.*``; see
+    :mod:`~furnace_trio.runtime.mtp`), which only speculative decoding runs.
     """
 
     architecture: str
@@ -145,6 +149,7 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     longrope: LongRope | None = None
     moe: MoE | None = None
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

@@ -140,6 +140,11 @@ class WeightBuilder:
         """Names no module asked for (a rotary table some checkpoints store aside)."""
         return sorted(name for name in self._unused if "rotary_emb" not in name)
 
+    def drop(self, prefix: str) -> None:
+        """Leave every weight whose name starts with ``prefix`` unread (layers the runtime
+        does not build, such as multi-token-prediction layers without speculation)."""
+        self._unused = {name for name in self._unused if not name.startswith(prefix)}
+
     def finish(self) -> None:
         """Log the load's last progress line."""
         self._progress(final=True)

@@ -19,12 +19,18 @@ class DecoderLayer(nn.Module):
     the outputs are normed too: ``x += norm2(attn(norm(x))); x += norm4(mlp(norm3(x)))``,
     ``post_attention_layernorm`` being ``norm2``."""
 
-    def __init__(self, config: ModelConfig, weights: WeightSource, i: int) -> None:
+    def __init__(
+        self, config: ModelConfig, weights: WeightSource, i: int, prefix: str | None = None
+    ) -> None:
+        """Layer ``i`` of the decoder, or with ``prefix`` a dense, full-attention layer
+        whose weights are named under it (a multi-token-prediction block)."""
         super().__init__()
-        prefix = f"model.layers.{i}"
+        window = config.window(i) if prefix is None else None
+        sparse = config.sparse(i) if prefix is None else False
+        prefix = prefix or f"model.layers.{i}"
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(weights.tensor(f"{prefix}.input_layernorm.weight"), eps)
-        self.self_attn = Attention(config, weights, prefix, config.window(i))
+        self.self_attn = Attention(config, weights, prefix, window)
         self.post_attention_layernorm = RMSNorm(
             weights.tensor(f"{prefix}.post_attention_layernorm.weight"), eps
         )
@@ -36,7 +42,7 @@ class DecoderLayer(nn.Module):
             )
         # A mixture of experts where the config has one (runtime/moe.py).
         self.mlp: MLP | SparseMoE = (
-            SparseMoE(config, weights, prefix) if config.sparse(i) else MLP(config, weights, prefix)
+            SparseMoE(config, weights, prefix) if sparse else MLP(config, weights, prefix)
         )
         if config.sandwich_norms:
             self.post_feedforward_layernorm = RMSNorm(

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from furnace_trio.core.plan import ChunkPlan, StepPlan
+from furnace_trio.core.plan import ChunkPlan, SampledToken, StepPlan
 from furnace_trio.loading.model_config import UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -60,6 +60,10 @@ class Drafter(Protocol):
 
     def release(self, seq_ids: Iterable[int]) -> None:
         """Forget what is kept for these sequences (they ended)."""
+        ...
+
+    def observe(self, plan: StepPlan, tokens: Sequence[SampledToken]) -> None:
+        """After ``plan``'s forward pass: the tokens the step returned (verified)."""
         ...
 
 
@@ -94,6 +98,9 @@ class DraftModel:
     def num_sequences(self) -> int:
         """Sequences with tokens in the draft's cache."""
         return len(self._seqs)
+
+    def observe(self, plan: StepPlan, tokens: Sequence[SampledToken]) -> None:
+        """Nothing: the draft model catches up from each sequence's tokens in :meth:`fill`."""
 
     def release(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:

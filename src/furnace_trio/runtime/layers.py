@@ -36,6 +36,8 @@ class WeightSource(Protocol):
 
     def unused(self) -> list[str]: ...
 
+    def drop(self, prefix: str) -> None: ...
+
 
 class Linear(nn.Module):
     """``y = x @ W.T (+ b)`` with the weight stored as given (``[out, in]``).

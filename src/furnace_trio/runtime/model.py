@@ -28,12 +28,13 @@ import torch
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from furnace_trio.loading.model_config import ModelConfig
+from furnace_trio.loading.model_config import MTP_PREFIX, ModelConfig
 from furnace_trio.runtime import native, native_forward
 from furnace_trio.runtime.attention import CUDA_ATTENTION
 from furnace_trio.runtime.decoder_layer import DecoderLayer
 from furnace_trio.runtime.kv_cache import KVCache
 from furnace_trio.runtime.layers import MLP, RMSNorm, WeightSource, rope_inv_freq
+from furnace_trio.runtime.mtp import MTPHead
 from furnace_trio.runtime.step_inputs import DecodeBatch, PrefillBatch, StepInputs, chunk_mask
 
 
@@ -42,13 +43,15 @@ class Transformer(nn.Module):
 
     The constructor asks ``weights`` for every weight, one at a time, in their runtime form
     (so a load holds the weights built so far plus one in conversion); names it never
-    asked for are an error, since they mean a weight was not used.
+    asked for are an error, since they mean a weight was not used. ``mtp``: build the
+    file's multi-token-prediction layer (:attr:`mtp`) where it has one; else its weights
+    are left unread.
     """
 
     inv_freq: torch.Tensor
     inv_freq_local: torch.Tensor
 
-    def __init__(self, config: ModelConfig, weights: WeightSource) -> None:
+    def __init__(self, config: ModelConfig, weights: WeightSource, *, mtp: bool = False) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = weights.embedding()
@@ -59,6 +62,16 @@ class Transformer(nn.Module):
         )
         self.norm = RMSNorm(weights.tensor("model.norm.weight"), config.rms_norm_eps)
         self.lm_head = head
+        #: The multi-token-prediction layer (runtime/mtp.py), when asked for and present.
+        self.mtp: MTPHead | None = None
+        if mtp and config.mtp_layers:
+            self.mtp = MTPHead(config, weights)
+        elif config.mtp_layers:
+            weights.drop(MTP_PREFIX)
+        #: Keep each step's last residual stream (every row) in :attr:`hidden`, for the
+        #: multi-token-prediction layer (set by its drafter).
+        self.capture_hidden = False
+        self.hidden: torch.Tensor | None = None
         leftover = weights.unused()
         if leftover:
             raise ValueError(f"unused weights: {', '.join(leftover[:5])}")
@@ -99,6 +112,8 @@ class Transformer(nn.Module):
             kernels = None  # the kernel keeps at most 64 query heads per KV head
         for module in self.layers:
             cast(DecoderLayer, module).self_attn.kernels = kernels
+        if self.mtp is not None:
+            self.mtp.block.self_attn.kernels = kernels
         c = self.config
         native_layers = kernels is not None and c.moe is None
         self.kernels = (
@@ -165,6 +180,8 @@ class Transformer(nn.Module):
                     x = layer(x, cos, sin, cache.layers[i], inputs)
                 else:
                     x = layer(x, local_cos, local_sin, cache.layers[i], inputs)
+        if self.capture_hidden:
+            self.hidden = x
         x = self.norm(x[inputs.logit_rows])
         logits = self.lm_head(x).float()
         cap = self.config.final_logit_softcapping
@@ -186,6 +203,8 @@ class Transformer(nn.Module):
         layers = [cast(DecoderLayer, m) for m in self.layers]
         eps = self.config.rms_norm_eps
         native_forward.run_layers(layers, x, cos, sin, cache, inputs, kernels, eps, local)
+        if self.capture_hidden:
+            self.hidden = x
         logits = native_forward.final_logits(
             x, inputs.logit_rows, self.norm, self.lm_head, eps, kernels
         )
@@ -207,10 +226,38 @@ class Transformer(nn.Module):
         cos, sin = self._rotary(inputs.positions, max(inputs.context_lens))
         intermediate = cast(MLP, cast(DecoderLayer, self.layers[0]).mlp).intermediate
         self._fused.run(ptrs, intermediate, x, cos, sin, inputs, cache, kernels)
+        if self.capture_hidden:
+            self.hidden = x
         eps = self.config.rms_norm_eps
         return native_forward.final_logits(
             x, inputs.logit_rows, self.norm, self.lm_head, eps, kernels
         )
+
+    def final_hidden(self, rows: torch.Tensor) -> torch.Tensor:
+        """The last step's hidden states at ``rows`` after the final norm (what the LM head
+        reads; the step ran with :attr:`capture_hidden`)."""
+        if self.hidden is None:
+            raise RuntimeError("no hidden states kept: capture_hidden was off")
+        picked = self.hidden.index_select(0, rows)
+        if self.kernels is None:
+            return self.norm(picked)
+        normed = torch.empty_like(picked)
+        self.kernels.add_rmsnorm(picked, None, self.norm.weight, self.config.rms_norm_eps, normed)
+        return normed
+
+    def mtp_forward(self, hidden: torch.Tensor, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
+        """The multi-token-prediction layer's output at every row of ``inputs`` (one-token
+        rows; their tokens are the next tokens), from ``hidden`` (one row each), writing
+        its keys and values to ``cache`` (its one-layer cache)."""
+        if self.mtp is None:
+            raise RuntimeError("this model was built without its multi-token-prediction layer")
+        if inputs.decode is None and inputs.decode_rows:
+            dtype = self.embed_tokens.dtype
+            decode = DecodeBatch.build(inputs, cache.block_size, dtype, None)
+            inputs = dataclasses.replace(inputs, decode=decode)
+        embeds = self.embed_tokens(inputs.input_ids)
+        cos, sin = self._rotary(inputs.positions, max(inputs.context_lens))
+        return self.mtp(hidden, embeds, cos, sin, cache, inputs, self.kernels)
 
     def reserve_rotary(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary table (``cos``, signed ``sin``, one row per position), grown now to

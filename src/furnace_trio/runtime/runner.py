@@ -21,7 +21,7 @@ import torch
 
 from furnace_trio.core.plan import ChunkPlan, SampledToken, SampleSpec, StepPlan
 from furnace_trio.loading.loader import LoadedModel
-from furnace_trio.loading.model_config import ModelConfig, fit_context
+from furnace_trio.loading.model_config import ModelConfig, UnsupportedModelError, fit_context
 from furnace_trio.runtime import native
 from furnace_trio.runtime.build import WeightBuilder
 from furnace_trio.runtime.cuda_graphs import DecodeGraphs
@@ -31,7 +31,7 @@ from furnace_trio.runtime.moe import ExpertCounter
 from furnace_trio.runtime.native.config import DEFAULT_NATIVE_CONFIG, NativeConfig
 from furnace_trio.runtime.quant import resolve_quantization
 from furnace_trio.runtime.sampling import GeneratorStore, sample, token_logprobs
-from furnace_trio.runtime.step_inputs import StepInputs
+from furnace_trio.runtime.step_inputs import build_inputs
 from furnace_trio.runtime.verification import accept_drafts, draft_specs
 
 if TYPE_CHECKING:
@@ -103,6 +103,9 @@ class RunnerConfig:
     # CUDA device. True on the CPU runs the same padded static-buffer step eagerly (what the
     # tests check without a GPU); the native CPU kernels never take it.
     cuda_graphs: bool | None = None
+    # Build the model's multi-token-prediction layer and its KV cache (speculative decoding
+    # with FURNACE_SPECULATIVE=mtp; runtime/mtp.py); a model without one is an error.
+    mtp: bool = False
 
 
 class ModelRunner:
@@ -132,7 +135,12 @@ class ModelRunner:
         builder = WeightBuilder(
             weights, device=self.device, dtype=self.dtype, mode=mode, kernels=kernels
         )
-        self.model = Transformer(config, builder).eval()
+        if settings.mtp and not config.mtp_layers:
+            raise UnsupportedModelError(
+                f"this {config.architecture} model has no multi-token-prediction layers "
+                "(MiMo's model.mtp_layers); speculative decoding needs another draft source"
+            )
+        self.model = Transformer(config, builder, mtp=settings.mtp).eval()
         builder.finish()
         # Tokens per expert of a mixture of experts (None for dense models).
         self._experts = ExpertCounter.attach(self.model)
@@ -175,12 +183,17 @@ class ModelRunner:
         else:
             self.kv_dtype = torch.float16 if half_kv else self.dtype
         per_block = KVCache.bytes_per_block(config, settings.block_size, self.kv_dtype)
+        # The multi-token-prediction layer's cache: one layer more under the same blocks.
+        mtp_config = dataclasses.replace(config, num_layers=1, sliding_layers=(), moe=None)
+        if self.model.mtp is not None:
+            per_block += KVCache.bytes_per_block(mtp_config, settings.block_size, self.kv_dtype)
         num_blocks = max(1, settings.kv_cache_bytes // per_block)
         graphs = settings.cuda_graphs
         if graphs is None:
             graphs = self.device.type == "cuda"
         # Routing reads its counts on the host every layer: never inside a graph.
-        graphs = graphs and kernels is None and config.moe is None
+        # The multi-token-prediction layer reads each step's hidden states: no graphs either.
+        graphs = graphs and kernels is None and config.moe is None and self.model.mtp is None
         # With graphs, one block more than the engine gets: the padding rows' scratch block.
         self._num_blocks = num_blocks
         self.cache = KVCache(
@@ -190,6 +203,16 @@ class ModelRunner:
             dtype=self.kv_dtype,
             device=self.device,
         )
+        #: The multi-token-prediction layer's KV cache (runtime/mtp.py), where it is built.
+        self.mtp_cache: KVCache | None = None
+        if self.model.mtp is not None:
+            self.mtp_cache = KVCache(
+                mtp_config,
+                num_blocks=num_blocks,
+                block_size=settings.block_size,
+                dtype=self.kv_dtype,
+                device=self.device,
+            )
         self.graphs: DecodeGraphs | None = None
         if graphs:
             self.graphs = DecodeGraphs(
@@ -200,8 +223,10 @@ class ModelRunner:
                 capture=self.device.type == "cuda",
             )
         self.generators = GeneratorStore(self.device)
-        #: Speculative decoding's draft model (runtime/draft.py): it replaces the drafts of
-        #: every drafted chunk with its own proposals before the forward pass.
+        #: Speculative decoding's draft source on the model thread (a draft model,
+        #: runtime/draft.py, or the multi-token-prediction layer, runtime/mtp_draft.py): it
+        #: replaces the drafts of every drafted chunk with its own proposals before the
+        #: forward pass, and sees each step's verified tokens after it.
         self.drafter: Drafter | None = None
         # Scores of prompts being prefilled, by prompt sequence (see ChunkPlan.score_ids).
         self._prompt_scores: dict[int, list[SampledToken]] = {}
@@ -244,6 +269,8 @@ class ModelRunner:
                 self.generators.release(seq_id)
                 self._prompt_scores.pop(seq_id, None)
             self.cache.copy_blocks(plan.block_copies)
+            if self.mtp_cache is not None:
+                self.mtp_cache.copy_blocks(plan.block_copies)
             if self.drafter is not None:
                 self.drafter.release(plan.released)
                 plan = self.drafter.fill(plan)
@@ -274,15 +301,22 @@ class ModelRunner:
                     specs.extend(chunk.samples)
                     rows.extend([row] * len(chunk.samples))
                     row += 1
-            if not specs:
-                return []
-            if rows != list(range(logits.shape[0])):  # n > 1 samples share their row
-                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-            generators = [self.generators.get(s.seq_id, s.params.seed) for s in specs]
-            sampled = sample(logits, specs, generators, self._kernels)
-            if self._prompt_scores:  # a scored prompt's first tokens carry its scores
-                self._with_prompt_scores(plan, sampled)
-            return accept_drafts(plan, sampled, proposed=self.drafter is not None)
+            tokens = self._sample(plan, logits, specs, rows) if specs else []
+            if self.drafter is not None:
+                self.drafter.observe(plan, tokens)
+            return tokens
+
+    def _sample(
+        self, plan: StepPlan, logits: torch.Tensor, specs: list[SampleSpec], rows: list[int]
+    ) -> list[SampledToken]:
+        """Draw ``specs``' tokens from their ``rows`` of ``logits`` and verify drafts."""
+        if rows != list(range(logits.shape[0])):  # n > 1 samples share their row
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        generators = [self.generators.get(s.seq_id, s.params.seed) for s in specs]
+        sampled = sample(logits, specs, generators, self._kernels)
+        if self._prompt_scores:  # a scored prompt's first tokens carry its scores
+            self._with_prompt_scores(plan, sampled)
+        return accept_drafts(plan, sampled, proposed=self.drafter is not None)
 
     def _score(self, chunk: ChunkPlan, logits: torch.Tensor) -> None:
         """Keep the logprobs of the prompt tokens that ``chunk``'s positions predict (and
@@ -381,88 +415,3 @@ class ModelRunner:
 def _scores(plan: StepPlan) -> bool:
     """Whether a chunk of ``plan`` scores prompt tokens (never replayed from a graph)."""
     return any(chunk.score_ids for chunk in plan.chunks)
-
-
-def build_inputs(
-    plan: StepPlan,
-    block_size: int,
-    device: torch.device,
-    *,
-    all_rows: bool = False,
-    split_upto: int = 0,
-) -> StepInputs:
-    """Flatten a plan's chunks into the tensors of :class:`StepInputs`.
-
-    Logits are computed only for the last token of chunks that sample (or of every chunk
-    with ``all_rows``), and for the positions a chunk scores (``score_ids``, before its
-    sampling row): the vocabulary projection is the largest matrix of a small model.
-
-    A chunk of at most ``split_upto`` tokens becomes that many rows of one token each, row
-    ``i`` seeing the sequence up to its own token (context ``start_pos + i + 1``), as if
-    the tokens were decoded one by one: every key and value of a step is in the cache
-    before any attention reads it, so this is the chunk's causal attention, run by the
-    decode path (one fused native call when every row is one token).
-    """
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    starts = [0]
-    context_lens: list[int] = []
-    logit_rows: list[int] = []
-    tables: list[Sequence[int]] = []
-    for chunk in plan.chunks:
-        n = len(chunk.token_ids)
-        if n == 0:
-            raise ValueError(f"chunk of sequence {chunk.seq_id} has no tokens")
-        end = chunk.start_pos + n
-        if len(chunk.block_table) * block_size < end:
-            raise ValueError(
-                f"block table of sequence {chunk.seq_id} covers "
-                f"{len(chunk.block_table) * block_size} positions, needs {end}"
-            )
-        first = len(ids)
-        ids.extend(chunk.token_ids)
-        table = chunk.block_table
-        for pos in range(chunk.start_pos, end):
-            positions.append(pos)
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-        rows = range(chunk.start_pos + 1, end + 1) if n <= split_upto else (end,)
-        for context in rows:
-            context_lens.append(context)
-            tables.append(table)
-            starts.append(starts[-1] + n // len(rows))
-        # A scored chunk's positions first (each predicts the next prompt token), then
-        # the row it samples from, if any (its last position, which no score takes).
-        if chunk.score_ids:
-            logit_rows.extend(range(first, first + len(chunk.score_ids)))
-        if chunk.num_drafts and chunk.samples:  # the last real token's and each draft's
-            logit_rows.extend(range(first + n - 1 - chunk.num_drafts, first + n))
-        elif all_rows or chunk.samples:
-            logit_rows.append(starts[-1] - 1)
-    # A row of one token decodes (batched attention); a longer one is a prefill chunk.
-    decode_rows = [b for b in range(len(tables)) if starts[b + 1] - starts[b] == 1]
-    prefill_rows = tuple(b for b in range(len(tables)) if starts[b + 1] - starts[b] > 1)
-    width = max(len(t) for t in tables)
-    decode_context_lens = [context_lens[b] for b in decode_rows]
-    # Every integer tensor of the step from one list: one tensor (one copy to the device)
-    # and views of it, rather than seven tensors (a visible share of a CPU decode step).
-    parts = (ids, positions, slots, decode_rows, decode_context_lens, logit_rows)
-    flat = [v for part in parts for v in part]
-    for t in tables:
-        flat.extend(t)
-        flat.extend([0] * (width - len(t)))
-    sizes = [len(part) for part in parts] + [len(tables) * width]
-    packed = torch.tensor(flat, dtype=torch.int64, device=device).split(sizes)
-    return StepInputs(
-        input_ids=packed[0],
-        positions=packed[1],
-        slot_mapping=packed[2],
-        query_starts=tuple(starts),
-        context_lens=tuple(context_lens),
-        block_tables=packed[6].view(len(tables), width),
-        decode_rows=tuple(decode_rows),
-        prefill_rows=prefill_rows,
-        decode_index=packed[3],
-        decode_context_lens=packed[4],
-        logit_rows=packed[5],
-    )

@@ -14,9 +14,12 @@ built once per step: SDPA would convert a boolean mask in every layer.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from furnace_trio.core.plan import StepPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +28,7 @@ class StepInputs:
 
     Flat token dimension ``T`` (all chunks concatenated), row dimension ``B``: a row is a
     chunk, or one token of a short chunk that the runner split into one-token rows (each
-    seeing the sequence up to its own token; see :func:`~furnace_trio.runtime.runner.build_inputs`).
+    seeing the sequence up to its own token; see :func:`build_inputs`).
 
     - ``input_ids``, ``positions``, ``slot_mapping``: ``[T]`` int64.
     - ``query_starts``: offsets of each row in the flat batch (python ints, ``B + 1``).
@@ -219,3 +222,88 @@ def chunk_mask(
     if window is not None:
         seen &= keys > rows - window
     return _additive(seen, dtype)
+
+
+def build_inputs(
+    plan: StepPlan,
+    block_size: int,
+    device: torch.device,
+    *,
+    all_rows: bool = False,
+    split_upto: int = 0,
+) -> StepInputs:
+    """Flatten a plan's chunks into the tensors of :class:`StepInputs`.
+
+    Logits are computed only for the last token of chunks that sample (or of every chunk
+    with ``all_rows``), and for the positions a chunk scores (``score_ids``, before its
+    sampling row): the vocabulary projection is the largest matrix of a small model.
+
+    A chunk of at most ``split_upto`` tokens becomes that many rows of one token each, row
+    ``i`` seeing the sequence up to its own token (context ``start_pos + i + 1``), as if
+    the tokens were decoded one by one: every key and value of a step is in the cache
+    before any attention reads it, so this is the chunk's causal attention, run by the
+    decode path (one fused native call when every row is one token).
+    """
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    starts = [0]
+    context_lens: list[int] = []
+    logit_rows: list[int] = []
+    tables: list[Sequence[int]] = []
+    for chunk in plan.chunks:
+        n = len(chunk.token_ids)
+        if n == 0:
+            raise ValueError(f"chunk of sequence {chunk.seq_id} has no tokens")
+        end = chunk.start_pos + n
+        if len(chunk.block_table) * block_size < end:
+            raise ValueError(
+                f"block table of sequence {chunk.seq_id} covers "
+                f"{len(chunk.block_table) * block_size} positions, needs {end}"
+            )
+        first = len(ids)
+        ids.extend(chunk.token_ids)
+        table = chunk.block_table
+        for pos in range(chunk.start_pos, end):
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        rows = range(chunk.start_pos + 1, end + 1) if n <= split_upto else (end,)
+        for context in rows:
+            context_lens.append(context)
+            tables.append(table)
+            starts.append(starts[-1] + n // len(rows))
+        # A scored chunk's positions first (each predicts the next prompt token), then
+        # the row it samples from, if any (its last position, which no score takes).
+        if chunk.score_ids:
+            logit_rows.extend(range(first, first + len(chunk.score_ids)))
+        if chunk.num_drafts and chunk.samples:  # the last real token's and each draft's
+            logit_rows.extend(range(first + n - 1 - chunk.num_drafts, first + n))
+        elif all_rows or chunk.samples:
+            logit_rows.append(starts[-1] - 1)
+    # A row of one token decodes (batched attention); a longer one is a prefill chunk.
+    decode_rows = [b for b in range(len(tables)) if starts[b + 1] - starts[b] == 1]
+    prefill_rows = tuple(b for b in range(len(tables)) if starts[b + 1] - starts[b] > 1)
+    width = max(len(t) for t in tables)
+    decode_context_lens = [context_lens[b] for b in decode_rows]
+    # Every integer tensor of the step from one list: one tensor (one copy to the device)
+    # and views of it, rather than seven tensors (a visible share of a CPU decode step).
+    parts = (ids, positions, slots, decode_rows, decode_context_lens, logit_rows)
+    flat = [v for part in parts for v in part]
+    for t in tables:
+        flat.extend(t)
+        flat.extend([0] * (width - len(t)))
+    sizes = [len(part) for part in parts] + [len(tables) * width]
+    packed = torch.tensor(flat, dtype=torch.int64, device=device).split(sizes)
+    return StepInputs(
+        input_ids=packed[0],
+        positions=packed[1],
+        slot_mapping=packed[2],
+        query_starts=tuple(starts),
+        context_lens=tuple(context_lens),
+        block_tables=packed[6].view(len(tables), width),
+        decode_rows=tuple(decode_rows),
+        prefill_rows=prefill_rows,
+        decode_index=packed[3],
+        decode_context_lens=packed[4],
+        logit_rows=packed[5],
+    )

@@ -16,6 +16,7 @@ from furnace_trio.core.plan import ChunkPlan, StepPlan, StepRunner
 from furnace_trio.engine import Engine, EngineConfig, SpeculationConfig
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.loading.generation_defaults import NO_GENERATION_DEFAULTS, GenerationDefaults
+from furnace_trio.loading.model_config import UnsupportedModelError
 from furnace_trio.loading.tokenizer import Tokenizer
 from furnace_trio.server.config import ServerConfig
 from furnace_trio.server.config_env import draft_model_path
@@ -103,11 +104,19 @@ def engine_config(config: ServerConfig, device_type: str) -> EngineConfig:
         max_response_bytes=config.max_response_bytes,
         target_itl_ms=config.target_itl_ms,
         speculation=SpeculationConfig(
-            method="draft" if draft_model_path(config.speculative) else config.speculative,
+            method=_engine_method(config.speculative),
             max_drafts=config.speculative_tokens,
             max_batch=config.speculative_max_batch,
         ),
     )
+
+
+def _engine_method(speculative: str) -> str:
+    """The engine's speculation method for ``FURNACE_SPECULATIVE``: a draft model and the
+    multi-token-prediction layer both fill placeholders on the model thread (``draft``)."""
+    if draft_model_path(speculative) or speculative == "mtp":
+        return "draft"
+    return speculative
 
 
 def build_engine(
@@ -146,6 +155,7 @@ def runner_config(config: ServerConfig, device: str, device_type: str) -> Runner
         cuda_graphs=None if config.cuda_graphs else False,
         native=config.native,
         native_build=config.native_build,
+        mtp=config.speculative == "mtp",
     )
 
 
@@ -190,11 +200,22 @@ def load_backend(config: ServerConfig) -> Backend:
 
     def build() -> tuple[LoadedModel, ModelRunner]:
         loaded = load_model(config.model)
+        if settings.mtp and not loaded.config.mtp_layers:
+            raise UnsupportedModelError(
+                f"FURNACE_SPECULATIVE=mtp: {loaded.name} ({loaded.source}) has no "
+                "multi-token-prediction layers (MiMo checkpoints do); use ngram or "
+                "draft:<path> instead"
+            )
         runner = ModelRunner.from_loaded(loaded, settings)
         warm_up(runner, engine_config(config, device.type).max_running)
         draft_path = draft_model_path(config.speculative)
         if draft_path is not None:
             runner.drafter = load_draft(runner, loaded, draft_path, settings)
+        if settings.mtp:
+            from furnace_trio.runtime.mtp_draft import MTPDrafter
+
+            runner.drafter = MTPDrafter(runner)
+            logger.info("speculative decoding: drafts from %s's MTP layer", loaded.name)
         return loaded, runner
 
     # Loading, warm-up and every step on one thread: see model_thread.py.

@@ -293,7 +293,8 @@ class ServerConfig:
             "Speculative decoding: `ngram` drafts next tokens from the prompt and output so far "
             "(prompt lookup) and verifies them in one step; `draft:<path>` drafts them with a "
             "smaller model of the same tokenizer (a GGUF file or Hugging Face directory, as "
-            "`FURNACE_MODEL`); greedy output is unchanged token for token, sampling keeps its "
+            "`FURNACE_MODEL`); `mtp` with the model's own multi-token-prediction layer (MiMo "
+            "checkpoints); greedy output is unchanged token for token, sampling keeps its "
             "distribution; `off` ([speculative decoding](speculative.md)).",
         ),
     )

@@ -24,8 +24,9 @@ LOG_FORMATS: tuple[str, ...] = ("text", "json")
 TOOL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3", "mistral")
 #: ``FURNACE_SESSION_STORE``: the URL schemes of the Redis client (Redis or Valkey).
 SESSION_STORE_SCHEMES: tuple[str, ...] = ("redis://", "rediss://", "unix://")
-#: Speculative decoding (``FURNACE_SPECULATIVE``), as furnace_trio.engine.speculation.METHODS.
-SPECULATIVE_METHODS: tuple[str, ...] = ("off", "ngram")
+#: Speculative decoding (``FURNACE_SPECULATIVE``): furnace_trio.engine.speculation.METHODS,
+#: with ``mtp`` (the model's multi-token-prediction layer) for the engine's ``draft``.
+SPECULATIVE_METHODS: tuple[str, ...] = ("off", "ngram", "mtp")
 #: ``FURNACE_SPECULATIVE=draft:<path>``: a draft model (GGUF file or Hugging Face directory).
 SPECULATIVE_DRAFT = "draft:"
 
