@@ -26,14 +26,14 @@ import argparse
 import gc
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import trio
 from _common import PROMPTS, machine
 
 from furnace_trio.core.params import SamplingParams
-from furnace_trio.core.plan import StepPlan
+from furnace_trio.core.plan import SampledToken, StepPlan
 from furnace_trio.engine import Delta, Engine, GenerationRequest
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.loading.default_model import default_model_path
@@ -107,6 +107,9 @@ class TimedDrafter:
 
     def release(self, seq_ids: Iterable[int]) -> None:
         self.inner.release(seq_ids)
+
+    def observe(self, plan: StepPlan, tokens: Sequence[SampledToken]) -> None:
+        self.inner.observe(plan, tokens)
 
 
 @dataclass
