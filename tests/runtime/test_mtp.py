@@ -86,17 +86,22 @@ def test_a_model_without_mtp_layers_is_refused(tmp_path: Path) -> None:
         _runner(plain, mtp=True)
 
 
-@pytest.mark.parametrize(("quantization", "tolerance"), [("none", 1e-5), ("int8", 0.05)])
+@pytest.mark.parametrize(
+    ("quantization", "native", "tolerance"),
+    [("none", True, 1e-5), ("none", False, 1e-5), ("int8", True, 0.05)],
+)
 def test_the_mtp_layer_matches_the_reference_step_by_step(
-    tmp_path: Path, quantization: str, tolerance: float
+    tmp_path: Path, quantization: str, native: bool, tolerance: float
 ) -> None:
     """After every step the drafter keeps the layer's output at the sequence's last
     position; its logits equal the reference's there, through a prompt in two chunks,
     plain decode steps and drafted steps (with the drafter's own proposals, of which a
-    random model keeps few: the rejected positions must leave no trace)."""
+    random model keeps few: the rejected positions must leave no trace), on the native
+    float32 path and on torch's."""
     directory = write_tiny_mimo(tmp_path)
     reference = reference_model(directory)
-    runner = _runner(directory, quantization=quantization, mtp=True)
+    runner = _runner(directory, quantization=quantization, native=native, mtp=True)
+    assert (runner.model.kernels is not None) == native  # the native path, or torch's
     drafter = MTPDrafter(runner)
     runner.drafter = drafter
     prompt = _prompt()
