@@ -18,6 +18,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from _llama_server import build_llama_tool, llama_cpp_source
@@ -57,12 +58,38 @@ def hf_directory(shape: str) -> Path:
     if (out / INDEX).is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    dims = SHAPES[shape]
+    config = hf_config(SHAPES[shape], "LlamaForCausalLM", "llama", write_tokenizer(out))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    write_shards(out, random_weights(config), 1 + int(config["num_hidden_layers"]))
+    return out
+
+
+def hf_config(
+    dims: dict[str, int | float | bool], architecture: str, model_type: str, vocab: dict[str, int]
+) -> dict[str, Any]:
+    """A ``config.json`` of ``dims`` (a shape) for ``architecture``, ``vocab`` the tokenizer's
+    fields (:func:`write_tokenizer`), Llama 3's rope base and bfloat16."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        **vocab,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "head_dim": int(dims["hidden_size"]) // int(dims["num_attention_heads"]),
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        **dims,
+    }
+
+
+def write_tokenizer(out: Path) -> dict[str, int]:
+    """The default model's tokenizer as Hugging Face files in ``out``; the config's
+    ``vocab_size``, ``bos_token_id`` and ``eos_token_id`` for it."""
     source = default_model_path()
     metadata = read_gguf(source).metadata
     tokenizer = Tokenizer.from_gguf(source)
     tokenizer.hf_tokenizer.save(str(out / "tokenizer.json"))
-    vocab = tokenizer.hf_tokenizer.get_vocab_size()
     tokens = metadata["tokenizer.ggml.tokens"]
     bos = tokens[int(metadata["tokenizer.ggml.bos_token_id"])]
     eos = tokens[int(metadata["tokenizer.ggml.eos_token_id"])]
@@ -77,24 +104,11 @@ def hf_directory(shape: str) -> Path:
             }
         )
     )
-    hidden = int(dims["hidden_size"])
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "head_dim": hidden // int(dims["num_attention_heads"]),
-        "hidden_act": "silu",
+    return {
+        "vocab_size": tokenizer.hf_tokenizer.get_vocab_size(),
         "bos_token_id": tokens.index(bos),
         "eos_token_id": tokens.index(eos),
-        "torch_dtype": "bfloat16",
-        **dims,
     }
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    write_shards(out, random_weights(config), 1 + int(config["num_hidden_layers"]))
-    return out
 
 
 def write_shards(out: Path, parts: Iterator[dict[str, torch.Tensor]], count: int) -> None:

@@ -26,7 +26,7 @@ import argparse
 import gc
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -123,6 +123,26 @@ class Run:
     draft_seconds: float = 0.0  # of ``seconds``, the draft model's proposals
 
 
+def run_rounds(
+    engines: Sequence[Engine], rounds: int, measure: Callable[[int], Awaitable[None]]
+) -> None:
+    """Start ``engines``, await ``measure(round)`` for each round, stop them (garbage
+    collection frozen first, so that no collection lands inside a measurement)."""
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for engine in engines:
+                await nursery.start(engine.run)
+            for r in range(rounds):
+                await measure(r)
+            for engine in engines:
+                engine.shutdown()
+
+    gc.collect()
+    gc.freeze()
+    trio.run(main)
+
+
 async def run_workload(
     engine: Engine,
     prompts: list[tuple[int, ...]],
@@ -215,27 +235,19 @@ def main() -> None:
     workloads = {name: w for name, w in workloads.items() if args.only in name}
     totals: dict[tuple[str, str], list[Run]] = defaultdict(list)
 
-    async def measure() -> None:
-        async with trio.open_nursery() as nursery:
-            for engine in engines.values():
-                await nursery.start(engine.run)
-            for r in range(rounds):
-                for name, (prompts, streams, max_tokens) in workloads.items():
-                    for method, engine in engines.items():
-                        timed = drafter if method == "draft" else None
-                        run = await run_workload(engine, prompts, streams, max_tokens, timed)
-                        totals[(name, method)].append(run)
-                        print(
-                            f"round {r + 1} {name} {method}: {run.tokens} tokens "
-                            f"{run.tokens / run.seconds:.1f} tok/s, {run.steps} steps",
-                            flush=True,
-                        )
-            for engine in engines.values():
-                engine.shutdown()
+    async def measure(r: int) -> None:
+        for name, (prompts, streams, max_tokens) in workloads.items():
+            for method, engine in engines.items():
+                timed = drafter if method == "draft" else None
+                run = await run_workload(engine, prompts, streams, max_tokens, timed)
+                totals[(name, method)].append(run)
+                print(
+                    f"round {r + 1} {name} {method}: {run.tokens} tokens "
+                    f"{run.tokens / run.seconds:.1f} tok/s, {run.steps} steps",
+                    flush=True,
+                )
 
-    gc.collect()
-    gc.freeze()
-    trio.run(measure)
+    run_rounds(list(engines.values()), rounds, measure)
     print(f"\n{machine()}, {rounds} round(s) interleaved {'/'.join(methods)}\n")
     print(
         "| workload | method | off tok/s | on tok/s | ratio | tokens/step off -> on "

@@ -257,7 +257,8 @@ class Transformer(nn.Module):
             inputs = dataclasses.replace(inputs, decode=decode)
         embeds = self.embed_tokens(inputs.input_ids)
         cos, sin = self._rotary(inputs.positions, max(inputs.context_lens))
-        return self.mtp(hidden, embeds, cos, sin, cache, inputs, self.kernels)
+        fusable = self._fusable and self.fused_decode
+        return self.mtp(hidden, embeds, cos, sin, cache, inputs, self.kernels, fusable=fusable)
 
     def reserve_rotary(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary table (``cos``, signed ``sin``, one row per position), grown now to
