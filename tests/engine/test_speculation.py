@@ -152,22 +152,23 @@ async def test_under_load_nobody_drafts() -> None:
             assert all(c.num_drafts == 0 for c in decoding)
 
 
-async def test_seeded_sampling_and_grammars_do_not_speculate() -> None:
+async def test_seeded_sampling_does_not_speculate_and_grammars_do() -> None:
     class Everything:
         def allowed(self, seq_id: int, output_token_ids: object) -> None:
             return None
 
+        def valid_drafts(self, seq_id: int, output_token_ids: object, drafts: object) -> int:
+            return len(drafts)  # type: ignore[arg-type]
+
     runner = ScriptedRunner(_script(EDITED), block_size=4)
     async with serving(runner, SPEC) as engine:
-        await collect_all(
-            [
-                engine.submit(request(PROMPT, max_tokens=40, temperature=1.0, seed=7)),
-                engine.submit(
-                    request(PROMPT, max_tokens=40, temperature=0, constraint=Everything())
-                ),
-            ]
-        )
-    assert _drafted(runner) == 0
+        out = await collect(engine.submit(request(PROMPT, max_tokens=40, temperature=1.0, seed=7)))
+    assert out.text[0] == EDITED[:40] and _drafted(runner) == 0
+    runner = ScriptedRunner(_script(EDITED), block_size=4)
+    async with serving(runner, SPEC) as engine:
+        grammar = request(PROMPT, max_tokens=40, temperature=0, constraint=Everything())
+        out = await collect(engine.submit(grammar))
+    assert out.text[0] == EDITED[:40] and _drafted(runner) > 0
     runner = ScriptedRunner(_script(EDITED), block_size=4)
     async with serving(runner, SPEC) as engine:
         out = await collect(engine.submit(request(PROMPT, max_tokens=40, temperature=1.0)))

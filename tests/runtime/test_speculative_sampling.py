@@ -103,3 +103,44 @@ def test_a_drafted_chunk_asks_for_the_logits_of_its_last_positions() -> None:
     assert inputs.logit_rows.tolist() == [0, 1, 2, 3]
     inputs = build_inputs(StepPlan((drafted, plain)), 4, torch.device("cpu"))  # chunk path
     assert inputs.logit_rows.tolist() == [0, 1, 2, 3]
+
+
+class _Prefix:
+    """A constraint that allows only the tokens of ``text`` in order (token ids are
+    values; a mask of one word each), recording what it was asked."""
+
+    def __init__(self, text: tuple[int, ...]) -> None:
+        self.text = text
+        self.asked: list[tuple[int, ...]] = []
+
+    def allowed(self, seq_id: int, output_token_ids: object) -> torch.Tensor:
+        out = tuple(output_token_ids)  # type: ignore[call-overload]
+        self.asked.append(out)
+        return torch.tensor([1 << self.text[len(out)]], dtype=torch.int32)
+
+    def valid_drafts(self, seq_id: int, output_token_ids: object, drafts: object) -> int:
+        start = len(output_token_ids)  # type: ignore[arg-type]
+        held = 0
+        for i, token in enumerate(drafts):  # type: ignore[attr-defined]
+            if self.text[start + i] != token:
+                break
+            held += 1
+        return held
+
+
+def test_a_grammar_refuses_drafts_it_does_not_allow() -> None:
+    """Drafts checked against a constraint: its masks are asked for the positions up to
+    the first draft it refuses, which that position's draw then replaces; the positions
+    after it draw unconstrained and are never kept."""
+    grammar = _Prefix((4, 1, 2, 3, 0))
+    params = SamplingParams(temperature=0, constraint=grammar)
+    spec = SampleSpec(0, params, (7,), (4,))
+    chunk = ChunkPlan(0, (4, 1, 3, 3), 1, (0,), (spec,), num_drafts=3)  # 1 holds, 3 does not
+    specs = draft_specs(chunk)
+    assert [s.params.constraint is grammar for s in specs] == [True, True, False, False]
+    logits = torch.zeros(4, 5)
+    logits[:, 3] = 10.0  # the model would draw 3 everywhere
+    sampled = sample(logits, specs, [None] * 4)
+    kept = accept_drafts(StepPlan((chunk,)), sampled)
+    assert [t.token_id for t in kept] == [1, 2]  # the draft 1 held; the grammar's 2, not 3
+    assert grammar.asked == [(4,), (4, 1)]

@@ -4,6 +4,7 @@ speculate; the drafts show in ``/metrics`` and in the request's log line."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -45,7 +46,18 @@ REQUESTS: list[dict[str, Any]] = [
 ]
 
 
-async def _answers(config: ServerConfig) -> tuple[list[Any], list[str], str]:
+def spec_counts(metrics: str) -> dict[str, float]:
+    """The drafted and accepted token totals of a ``/metrics`` page, by metric name."""
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith(("furnace_spec_drafted_tokens_total ", "furnace_spec_accepted"))
+    }
+
+
+async def _answers(
+    config: ServerConfig, requests: list[dict[str, Any]] = REQUESTS
+) -> tuple[list[Any], list[str], str]:
     app = create_app(config)
     async with (
         serve_app(app) as url,
@@ -54,7 +66,7 @@ async def _answers(config: ServerConfig) -> tuple[list[Any], list[str], str]:
     ):
         model = (await client.models.list()).data[0].id
         replies = []
-        for body in REQUESTS:
+        for body in requests:
             reply = await client.chat.completions.create(model=model, temperature=0, **body)
             replies.append(
                 [
@@ -68,7 +80,7 @@ async def _answers(config: ServerConfig) -> tuple[list[Any], list[str], str]:
                 + [reply.usage.completion_tokens if reply.usage else None]
             )
         stream = await client.chat.completions.create(
-            model=model, temperature=0, stream=True, **REQUESTS[0]
+            model=model, temperature=0, stream=True, **requests[0]
         )
         pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
         metrics = (await http.get("/metrics")).text
@@ -97,6 +109,44 @@ async def test_speculating_server_answers_as_one_that_does_not(
     lines = [r for r in caplog.records if r.name == "furnace_trio.server.request_log"]
     assert any(getattr(r, FIELDS)["drafted_tokens"] > 0 for r in lines)
     assert all("drafted=" in r.getMessage() for r in lines)
+
+
+PEOPLE = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+}
+JSON_REQUEST: dict[str, Any] = {
+    "messages": [
+        {
+            "role": "user",
+            "content": "Ann is 7, Bob is 9, Cid is 11 and Dee is 13. List them as JSON with "
+            "their name and age.",
+        }
+    ],
+    "max_tokens": 90,
+    "response_format": {"type": "json_schema", "json_schema": {"name": "people", "schema": PEOPLE}},
+}
+
+
+async def test_a_grammar_constrained_request_speculates_and_answers_the_same() -> None:
+    """JSON that repeats its keys, under a JSON schema: prompt lookup drafts the keys, the
+    grammar checks the drafts, and the answer is the one without speculation."""
+    default_model()
+    plain, plain_stream, _ = await _answers(
+        ServerConfig(device="cpu", kv_cache_mb=32), [JSON_REQUEST]
+    )
+    spec, spec_stream, metrics = await _answers(
+        ServerConfig(device="cpu", kv_cache_mb=32, speculative="ngram"), [JSON_REQUEST]
+    )
+    assert spec == plain
+    assert "".join(spec_stream) == "".join(plain_stream) == plain[0][0][0]
+    assert json.loads(plain[0][0][0])[0].keys() == {"name", "age"}
+    assert spec_counts(metrics)["furnace_spec_accepted_tokens_total"] > 0
 
 
 def test_the_setting() -> None:

@@ -25,18 +25,9 @@ from furnace_trio.server.config import ServerConfig
 from .._model_fixtures import write_tiny_model
 from ..http_server import serve_app
 from ..real_model import default_model
-from .test_speculative import EDIT, _answers
+from .test_speculative import EDIT, _answers, spec_counts
 
 pytestmark = pytest.mark.model
-
-
-def spec_counts(metrics: str) -> dict[str, float]:
-    """The drafted and accepted token totals of a ``/metrics`` page, by metric name."""
-    return {
-        line.split()[0]: float(line.split()[1])
-        for line in metrics.splitlines()
-        if line.startswith(("furnace_spec_drafted_tokens_total ", "furnace_spec_accepted"))
-    }
 
 
 def _draft_config(**fields: object) -> ServerConfig:

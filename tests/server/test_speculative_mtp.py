@@ -17,8 +17,8 @@ from furnace_trio.server.config import ServerConfig
 
 from .._mimo_fixtures import write_tiny_mimo
 from ..real_model import default_model
-from .test_speculative import _answers
-from .test_speculative_draft import _greedy, spec_counts
+from .test_speculative import _answers, spec_counts
+from .test_speculative_draft import _greedy
 
 
 def _config(model: Path, speculative: str) -> ServerConfig:

@@ -61,6 +61,32 @@ def test_mask_follows_the_schema_per_sequence() -> None:
     assert not _allowed(first, tokenizer.encode("hello", add_special_tokens=False)[0])
 
 
+def test_drafts_are_checked_and_rolled_back() -> None:
+    """Speculative decoding: ``valid_drafts`` counts the drafts the grammar takes in a
+    row; masks asked after drafts that the next output does not keep are those of a
+    constraint that never saw them."""
+    tokenizer = smollm2_tokenizer()
+    compiler = GrammarCompiler(tokenizer)
+    constraint = compiler.json_schema(PERSON)
+    good = tokenizer.encode('{"name":"Ann","age":7}', add_special_tokens=False)
+    bad = tokenizer.encode('{"name":"Ann","height":7}', add_special_tokens=False)
+    at = next(i for i, (g, b) in enumerate(zip(good, bad, strict=False)) if g != b)
+    assert constraint.valid_drafts(1, good[:2], good[2:]) == len(good) - 2
+    assert constraint.valid_drafts(1, good[:2], bad[2:]) == at - 2
+    # the masks of draft positions, as the sampler asks for them: the drafts consumed
+    for k in range(2, len(good)):
+        constraint.allowed(1, good[:k])
+    # the output kept the first three tokens and then parted: rolled back to there
+    fresh = compiler.json_schema(PERSON)
+    for tokens in (good[:3], bad[:at], good[:5], bad[: at + 1]):
+        mine, theirs = constraint.allowed(1, tokens), fresh.allowed(7, tokens)
+        if theirs is None:
+            assert mine is None
+        else:
+            assert mine is not None and (mine == theirs).all()
+            fresh = compiler.json_schema(PERSON)
+
+
 def test_sampler_applies_the_mask() -> None:
     tokenizer = smollm2_tokenizer()
     constraint = GrammarCompiler(tokenizer).json_schema(None)

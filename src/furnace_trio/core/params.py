@@ -14,10 +14,20 @@ class TokenConstraint(Protocol):
     ``allowed(seq_id, output_token_ids)`` returns a bitmask (int32 words, bit ``t % 32`` of
     word ``t // 32`` set when token ``t`` is allowed) or ``None`` for "no restriction". It is
     called only on the runner's thread, once per sampled position, with every token the
-    sequence has produced so far, so the constraint advances its own state from those.
+    sequence has produced so far, so the constraint advances its own state from those. With
+    speculative decoding a sampled position may follow drafts that the next call's tokens
+    no longer hold: the constraint goes back to where they part.
+
+    ``valid_drafts(seq_id, output_token_ids, drafts)``: how many of ``drafts`` the
+    constraint allows in a row after ``output_token_ids`` (on the runner's thread, before
+    the drafts' positions are sampled).
     """
 
     def allowed(self, seq_id: int, output_token_ids: Sequence[int]) -> Any: ...
+
+    def valid_drafts(
+        self, seq_id: int, output_token_ids: Sequence[int], drafts: Sequence[int]
+    ) -> int: ...
 
 
 def _empty_bias() -> Mapping[int, float]:

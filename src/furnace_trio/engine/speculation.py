@@ -34,11 +34,13 @@ stops paying for drafts). Under load, with more than :attr:`SpeculationConfig.ma
 sequences decoding, no sequence drafts: the step is then compute-bound and draft positions
 would slow everyone; with fewer, a step holds at most ``max_drafts`` drafts in all.
 
-Which sequences speculate: greedy ones and unseeded sampled ones without a grammar. A
-seeded sampled request draws one noise row per token from its own generator, so it stays
-reproducible only if it never speculates (whether it drafts would depend on the load);
-a grammar-constrained one does not, because its constraint advances with each token and
-cannot take back a rejected draft.
+Which sequences speculate: greedy ones and unseeded sampled ones, grammar-constrained
+or not. A seeded sampled request draws one noise row per token from its own generator,
+so it stays reproducible only if it never speculates (whether it drafts would depend on
+the load). A grammar-constrained one's drafts are checked against its grammar in the
+runner's step (:func:`~furnace_trio.runtime.verification.draft_specs`): a draft the
+grammar refuses is rejected there, and the constraint goes back over the drafts the
+output does not keep.
 
 KV of rejected drafts: their positions lie past the sequence's computed tokens, in blocks
 that are never keyed (only full blocks of computed tokens reach the prefix cache) and that
@@ -112,7 +114,7 @@ class DraftState:
 
 def speculates(params: SamplingParams) -> bool:
     """Whether a sample with ``params`` may take drafts (see the module docstring)."""
-    return params.constraint is None and (params.greedy or params.seed is None)
+    return params.greedy or params.seed is None
 
 
 class Speculator:

@@ -19,13 +19,26 @@ __all__ = ["accept_drafts", "draft_specs"]
 def draft_specs(chunk: ChunkPlan) -> list[SampleSpec]:
     """The sample specs of a chunk's draft positions: one per position from its last real
     token on, each with the drafts before it as output, so that penalties and the
-    position's draw see the sequence as plain decoding would have had it there."""
+    position's draw see the sequence as plain decoding would have had it there.
+
+    A grammar-constrained sample's drafts are checked against its grammar first: the
+    position of the first draft the grammar refuses draws under the grammar's mask there,
+    so it never keeps that draft, and the positions after it draw without the constraint
+    (verification stops before them; their grammar state would follow a refused token)."""
     spec = chunk.samples[0]
     drafts = chunk.draft_token_ids
     out = spec.output_token_ids
-    return [
+    specs = [
         dataclasses.replace(spec, output_token_ids=out + drafts[:i]) for i in range(len(drafts) + 1)
     ]
+    constraint = spec.params.constraint
+    if constraint is not None:
+        valid = constraint.valid_drafts(spec.seq_id, out, drafts)
+        if valid < len(drafts):
+            free = dataclasses.replace(spec.params, constraint=None)
+            for i in range(valid + 1, len(specs)):
+                specs[i] = dataclasses.replace(specs[i], params=free)
+    return specs
 
 
 def accept_drafts(

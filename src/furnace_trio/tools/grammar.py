@@ -46,8 +46,10 @@ class GrammarError(ValueError):
 class GrammarConstraint:
     """A compiled grammar and one matcher per sequence (see the module docstring).
 
-    Invariant: a matcher has consumed exactly ``consumed[seq_id]`` of the sequence's output
-    tokens. A token the grammar rejects (it cannot be sampled under the mask, but an
+    Invariant: a matcher has consumed exactly the tokens in ``consumed[seq_id]``: the
+    sequence's output so far, and with speculative decoding the drafts whose positions
+    were sampled, which the next call rolls back where the output parted from them. A token
+    the grammar rejects (it cannot be sampled under the mask, but an
     ``ignore_eos`` run or a mismatched vocabulary could produce one) lifts the constraint for
     that sequence rather than failing the request: logged, never silent.
     """
@@ -66,27 +68,13 @@ class GrammarConstraint:
         self._vocab = tokenizer.vocab_size
         self._end_on_repeat = end_on_repeat
         self._matchers: dict[int, llguidance.LLMatcher] = {}
-        self._consumed: dict[int, int] = {}
+        self._consumed: dict[int, list[int]] = {}
         self._lifted: set[int] = set()
 
     def allowed(self, seq_id: int, output_token_ids: Sequence[int]) -> np.ndarray | None:
-        if seq_id in self._lifted:
-            return None
-        matcher = self._matchers.get(seq_id)
+        matcher = self._synced(seq_id, output_token_ids)
         if matcher is None:
-            matcher = self._matchers[seq_id] = self._template.deep_copy()
-            self._consumed[seq_id] = 0
-        for token in output_token_ids[self._consumed[seq_id] :]:
-            if not matcher.consume_token(token):
-                logger.warning(
-                    "grammar rejected token %d of seq %d (%s); constraint lifted",
-                    token,
-                    seq_id,
-                    matcher.get_error(),
-                )
-                self._lifted.add(seq_id)
-                return None
-        self._consumed[seq_id] = len(output_token_ids)
+            return None
         mask = allocate_token_bitmask(1, self._vocab)
         fill_next_token_bitmask(matcher, mask)
         if (
@@ -99,6 +87,50 @@ class GrammarConstraint:
         ):
             mask[0] &= _eos_mask(self._tokenizer.eos_tokens, mask.shape[1])
         return mask[0]
+
+    def valid_drafts(
+        self, seq_id: int, output_token_ids: Sequence[int], drafts: Sequence[int]
+    ) -> int:
+        """How many of ``drafts``, proposed after ``output_token_ids``, the grammar takes
+        in a row (all of them where the constraint is lifted); nothing is consumed."""
+        matcher = self._synced(seq_id, output_token_ids)
+        if matcher is None:
+            return len(drafts)
+        return int(matcher.validate_tokens(list(drafts)))
+
+    def _synced(self, seq_id: int, output_token_ids: Sequence[int]) -> llguidance.LLMatcher | None:
+        """The sequence's matcher after exactly ``output_token_ids`` (``None``: lifted):
+        drafts it consumed that the output does not hold rolled back, new tokens consumed."""
+        if seq_id in self._lifted:
+            return None
+        matcher = self._matchers.get(seq_id)
+        if matcher is None:
+            matcher = self._matchers[seq_id] = self._template.deep_copy()
+        consumed = self._consumed.setdefault(seq_id, [])
+        keep = len(consumed)
+        if keep > len(output_token_ids) or consumed != list(output_token_ids[:keep]):
+            keep = _common_prefix(consumed, output_token_ids)
+            matcher.rollback(len(consumed) - keep)
+            del consumed[keep:]
+        for token in output_token_ids[keep:]:
+            if not matcher.consume_token(token):
+                logger.warning(
+                    "grammar rejected token %d of seq %d (%s); constraint lifted",
+                    token,
+                    seq_id,
+                    matcher.get_error(),
+                )
+                self._lifted.add(seq_id)
+                return None
+            consumed.append(token)
+        return matcher
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
 
 
 def _last_block_repeats(text: str, start: str, end: str) -> bool:
