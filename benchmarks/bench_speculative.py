@@ -5,7 +5,9 @@ server's engine settings (:func:`~furnace_trio.server.backend.build_engine`):
 
 - **edit**: "return this paragraph with one change" chat requests, one after another on
   one stream, and the same at 16 concurrent streams;
-- **chat**: the benchmark chat prompts, one stream, and at 16 concurrent streams.
+- **chat**: the benchmark chat prompts, one stream, and at 16 concurrent streams;
+- **json**: "list these people as JSON" under a JSON schema (an array of objects with the
+  same keys: JSON that repeats keys), one stream, each request with its own grammar.
 
 Each round runs every workload with speculation off and then on, on a fresh engine over
 one runner (so the prefix cache starts empty for both), and the rounds repeat: A/B
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 import trio
 from _common import PROMPTS, machine
 
-from furnace_trio.core.params import SamplingParams
+from furnace_trio.core.params import SamplingParams, TokenConstraint
 from furnace_trio.core.plan import SampledToken, StepPlan
 from furnace_trio.engine import Delta, Engine, GenerationRequest
 from furnace_trio.engine.model_thread import ModelThread
@@ -42,6 +44,7 @@ from furnace_trio.runtime.draft import Drafter
 from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
 from furnace_trio.server.backend import build_engine, load_draft
 from furnace_trio.server.config import ServerConfig
+from furnace_trio.tools.grammar import GrammarCompiler
 
 PARAGRAPHS = (
     (
@@ -84,6 +87,32 @@ def edit_messages() -> list[list[dict[str, str]]]:
             }
         ]
         for p, change in PARAGRAPHS
+    ]
+
+
+#: The json workload's schema: records that repeat their keys.
+PEOPLE = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+}
+PEOPLE_TEXTS = (
+    "Ann is 7, Bob is 9, Cid is 11 and Dee is 13.",
+    "Eve is 31, Fay is 28, Gus is 40, Hal is 52 and Ivy is 19.",
+    "Jon is 64, Kim is 23 and Lee is 37.",
+    "Max is 5, Ned is 8, Oda is 12, Pam is 15 and Rex is 3.",
+)
+
+
+def json_messages() -> list[list[dict[str, str]]]:
+    """The json requests: a list of people to return under :data:`PEOPLE`."""
+    return [
+        [{"role": "user", "content": f"{t} List them as JSON with their name and age."}]
+        for t in PEOPLE_TEXTS
     ]
 
 
@@ -149,15 +178,18 @@ async def run_workload(
     streams: int,
     max_tokens: int,
     drafter: TimedDrafter | None = None,
+    grammar: Callable[[], TokenConstraint] | None = None,
 ) -> Run:
-    """Every prompt once, ``streams`` at a time (closed loop), greedy."""
+    """Every prompt once, ``streams`` at a time (closed loop), greedy; ``grammar``: each
+    request constrained by a fresh constraint from it (as the server makes one a request)."""
     texts: dict[int, list[int]] = {}
     queue = list(range(len(prompts)))
 
     async def worker() -> None:
         while queue:
             i = queue.pop(0)
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+            constraint = grammar() if grammar is not None else None
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, constraint=constraint)
             out = texts.setdefault(i, [])
             async with engine.submit(GenerationRequest(prompts[i], params)) as stream:
                 async for event in stream:
@@ -222,13 +254,21 @@ def main() -> None:
     def ids(messages: list[dict[str, str]]) -> tuple[int, ...]:
         return tuple(tok.encode(tok.apply_chat_template(messages), add_special_tokens=False))
 
+    compiler = GrammarCompiler(tok)
+    compiler.warm()
+
+    def people_grammar() -> TokenConstraint:
+        return compiler.json_schema(PEOPLE)
+
     edits = [ids(m) for m in edit_messages()]
     chats = [ids(m) for m in chat_messages()]
     if args.quick:
         chats = chats[:4]
+    people = [ids(m) for m in json_messages()]
     workloads = {
         "edit, 1 stream": (edits, 1, 256),
         "chat, 1 stream": (chats[:8], 1, 128),
+        "json, 1 stream": (people, 1, 160),
         "edit, 16 streams": (edits * 4, 16, 256),
         "chat, 16 streams": (chats[:16] if not args.quick else chats * 4, 16, 128),
     }
@@ -239,7 +279,8 @@ def main() -> None:
         for name, (prompts, streams, max_tokens) in workloads.items():
             for method, engine in engines.items():
                 timed = drafter if method == "draft" else None
-                run = await run_workload(engine, prompts, streams, max_tokens, timed)
+                grammar = people_grammar if name.startswith("json") else None
+                run = await run_workload(engine, prompts, streams, max_tokens, timed, grammar)
                 totals[(name, method)].append(run)
                 print(
                     f"round {r + 1} {name} {method}: {run.tokens} tokens "
