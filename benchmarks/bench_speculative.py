@@ -26,13 +26,18 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import trio
 from _common import PROMPTS, machine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.tools.test_grammar import PERSON
 
 from furnace_trio.core.params import SamplingParams, TokenConstraint
 from furnace_trio.core.plan import SampledToken, StepPlan
@@ -91,15 +96,7 @@ def edit_messages() -> list[list[dict[str, str]]]:
 
 
 #: The json workload's schema: records that repeat their keys.
-PEOPLE = {
-    "type": "array",
-    "items": {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-        "required": ["name", "age"],
-        "additionalProperties": False,
-    },
-}
+PEOPLE = {"type": "array", "items": PERSON}
 PEOPLE_TEXTS = (
     "Ann is 7, Bob is 9, Cid is 11 and Dee is 13.",
     "Eve is 31, Fay is 28, Gus is 40, Hal is 52 and Ivy is 19.",

@@ -18,6 +18,7 @@ from furnace_trio.server.log_setup import FIELDS
 
 from ..http_server import serve_app
 from ..real_model import default_model
+from ..tools.test_grammar import PERSON
 
 pytestmark = pytest.mark.model
 
@@ -111,15 +112,7 @@ async def test_speculating_server_answers_as_one_that_does_not(
     assert all("drafted=" in r.getMessage() for r in lines)
 
 
-PEOPLE = {
-    "type": "array",
-    "items": {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-        "required": ["name", "age"],
-        "additionalProperties": False,
-    },
-}
+PEOPLE = {"type": "array", "items": PERSON}
 JSON_REQUEST: dict[str, Any] = {
     "messages": [
         {
