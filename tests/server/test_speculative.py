@@ -151,7 +151,7 @@ def test_the_setting() -> None:
     # a draft model's path keeps its case
     draft = ServerConfig.from_env({"FURNACE_SPECULATIVE": " Draft:/Models/Small.gguf "})
     assert draft.speculative == "draft:/Models/Small.gguf"
-    for value in ("draft:", "draft: ", "mtp", "on"):
+    for value in ("draft:", "draft: ", "eagle", "on"):
         with pytest.raises(ConfigError, match="FURNACE_SPECULATIVE"):
             ServerConfig.from_env({"FURNACE_SPECULATIVE": value})
     with pytest.raises(ConfigError, match="FURNACE_SPECULATIVE_MAX_BATCH"):
