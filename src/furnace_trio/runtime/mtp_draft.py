@@ -34,6 +34,7 @@ placeholders stay and verification rejects them.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -135,50 +136,58 @@ class MTPDrafter:
         model = self._runner.model
         if model.hidden is None:
             return
+        returned: dict[int, list[int]] = {}  # by sample: its tokens, the accepted drafts first
+        for sampled in tokens:
+            returned.setdefault(sampled.seq_id, []).append(sampled.token_id)
         rows: list[ChunkPlan] = []
-        sources: list[torch.Tensor | int] = []  # a kept hidden state, or a row of the step
-        finals: list[tuple[int, int, int, int]] = []  # seq id, its last row, position, token
-        waits: list[tuple[int, int, int]] = []  # seq id, position, row of the step
-        at = offset = 0
+        step_rows: list[int] = []  # rows of the step's hidden states the pass reads, in order
+        kept: dict[int, torch.Tensor] = {}  # seq id -> its waiting hidden state, first row
+        finals: list[tuple[int, int, int]] = []  # seq id, its last row in the pass, token
+        waits: list[tuple[int, int, int]] = []  # seq id, its last position, row of the step
+        offset = 0
         for chunk in plan.chunks:
             n = len(chunk.token_ids)
-            returned = _returned(chunk, tokens[at:])
-            at += len(returned)
             waiting = self._waiting.pop(chunk.seq_id, None)
             self._ready.pop(chunk.seq_id, None)
             nexts = list(chunk.token_ids[1:])  # the token after each position
-            if chunk.num_drafts:  # verified: as many positions as tokens returned
-                nexts = [t.token_id for t in returned]
-            elif len(chunk.samples) == 1:
-                nexts.append(returned[0].token_id)
+            if len(chunk.samples) == 1:  # verified: the real tokens and the accepted drafts
+                drawn = returned[chunk.samples[0].seq_id]
+                nexts = nexts[: n - chunk.num_drafts + len(drawn) - 2] + drawn[-1:]
             elif not chunk.samples:  # a prompt chunk's last position waits
                 waits.append((chunk.seq_id, chunk.start_pos + n - 1, offset + n - 1))
             start = chunk.start_pos
-            here: list[torch.Tensor | int] = list(range(offset, offset + len(nexts)))
             if waiting is not None and waiting.position + 1 == start:
                 start -= 1
                 nexts.insert(0, chunk.token_ids[0])
-                here.insert(0, waiting.hidden)
+                kept[chunk.seq_id] = waiting.hidden
+            step_rows.extend(range(offset, offset + len(nexts) - (chunk.seq_id in kept)))
             if nexts:
                 rows.append(ChunkPlan(chunk.seq_id, tuple(nexts), start, chunk.block_table))
-                sources.extend(here)
                 if len(chunk.samples) == 1:
-                    last = start + len(nexts) - 1
-                    finals.append((chunk.seq_id, len(sources) - 1, last, nexts[-1]))
+                    finals.append((chunk.seq_id, len(rows) - 1, nexts[-1]))
             offset += n
         with torch.inference_mode():
-            step_rows = [s for s in sources if isinstance(s, int)] + [row for *_, row in waits]
-            index = torch.tensor(step_rows, dtype=torch.int64, device=self._runner.device)
-            normed = model.final_hidden(index) if step_rows else model.hidden[:0]
-            at_row = {row: i for i, row in enumerate(step_rows)}
-            for seq_id, position, row in waits:
-                self._waiting[seq_id] = _Waiting(position, normed[at_row[row]].clone())
+            wait_rows = [row for *_, row in waits]
+            device = self._runner.device
+            index = torch.tensor(step_rows + wait_rows, dtype=torch.int64, device=device)
+            normed = model.final_hidden(index) if len(index) else model.hidden[:0]
+            for (seq_id, position, _), h in zip(waits, normed[len(step_rows) :], strict=True):
+                self._waiting[seq_id] = _Waiting(position, h.clone())
             if not rows:
                 return
-            hidden = _gather(normed, [at_row[s] if isinstance(s, int) else s for s in sources])
-            out = self._run(hidden, rows)
-            for seq_id, row, position, token in finals:
-                self._ready[seq_id] = _Ready(position, token, out[row].clone())
+            parts, at = [], 0
+            for row in rows:
+                count = len(row.token_ids)
+                if row.seq_id in kept:
+                    parts.append(kept[row.seq_id][None])
+                    count -= 1
+                parts.append(normed[at : at + count])
+                at += count
+            out = self._run(torch.cat(parts), rows)
+            ends = list(itertools.accumulate(len(row.token_ids) for row in rows))
+            for seq_id, which, token in finals:
+                position = rows[which].start_pos + len(rows[which].token_ids) - 1
+                self._ready[seq_id] = _Ready(position, token, out[ends[which] - 1].clone())
 
     def _run(self, hidden: torch.Tensor, rows: Sequence[ChunkPlan]) -> torch.Tensor:
         """The layer over ``rows`` (their tokens are the next tokens) from ``hidden``."""
@@ -190,37 +199,6 @@ class MTPDrafter:
             split_upto=_SPLIT,
         )
         return self._runner.model.mtp_forward(hidden, inputs, self._cache)
-
-
-def _gather(normed: torch.Tensor, sources: Sequence[torch.Tensor | int]) -> torch.Tensor:
-    """Rows of ``normed`` (by index) and kept hidden states, in the order of ``sources``."""
-    kept = [s for s in sources if not isinstance(s, int)]
-    if not kept:
-        order = [s for s in sources if isinstance(s, int)]
-        if order == list(range(len(order))):
-            return normed[: len(order)]
-        return normed.index_select(0, torch.tensor(order, device=normed.device))
-    table = torch.cat((normed, torch.stack(kept)))
-    order, k = [], normed.shape[0]
-    for s in sources:
-        if isinstance(s, int):
-            order.append(s)
-        else:
-            order.append(k)
-            k += 1
-    return table.index_select(0, torch.tensor(order, device=normed.device))
-
-
-def _returned(chunk: ChunkPlan, tokens: Sequence[SampledToken]) -> list[SampledToken]:
-    """The tokens the step returned for ``chunk``, from the front of ``tokens``."""
-    if not chunk.num_drafts:
-        return list(tokens[: len(chunk.samples)])
-    kept = 1
-    for token, draft in zip(tokens, chunk.draft_token_ids, strict=False):
-        if token.token_id != draft:
-            break
-        kept += 1
-    return list(tokens[:kept])
 
 
 def _next_row(chunk: ChunkPlan, drafts: Sequence[int]) -> ChunkPlan:
