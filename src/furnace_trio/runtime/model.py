@@ -143,11 +143,7 @@ class Transformer(nn.Module):
             logits = self._forward_fused_decode(inputs, cache, kernels)
             if logits is not None:
                 return logits
-        if inputs.decode is None and inputs.decode_rows:
-            decode = DecodeBatch.build(
-                inputs, cache.block_size, self.embed_tokens.dtype, self._window
-            )
-            inputs = dataclasses.replace(inputs, decode=decode)
+        inputs = self._with_decode_batch(inputs, cache, self._window)
         on_cuda = self.embed_tokens.device.type == "cuda"
         if inputs.prefill is None and on_cuda and len(inputs.prefill_rows) > 1:
             heads = self.config.num_heads * self.config.head_dim
@@ -251,14 +247,20 @@ class Transformer(nn.Module):
         its keys and values to ``cache`` (its one-layer cache)."""
         if self.mtp is None:
             raise RuntimeError("this model was built without its multi-token-prediction layer")
-        if inputs.decode is None and inputs.decode_rows:
-            dtype = self.embed_tokens.dtype
-            decode = DecodeBatch.build(inputs, cache.block_size, dtype, None)
-            inputs = dataclasses.replace(inputs, decode=decode)
+        inputs = self._with_decode_batch(inputs, cache, None)
         embeds = self.embed_tokens(inputs.input_ids)
         cos, sin = self._rotary(inputs.positions, max(inputs.context_lens))
         fusable = self._fusable and self.fused_decode
         return self.mtp(hidden, embeds, cos, sin, cache, inputs, self.kernels, fusable=fusable)
+
+    def _with_decode_batch(
+        self, inputs: StepInputs, cache: KVCache, window: int | None
+    ) -> StepInputs:
+        """``inputs`` with the batch of its one-token rows (:class:`DecodeBatch`) built."""
+        if inputs.decode is not None or not inputs.decode_rows:
+            return inputs
+        decode = DecodeBatch.build(inputs, cache.block_size, self.embed_tokens.dtype, window)
+        return dataclasses.replace(inputs, decode=decode)
 
     def reserve_rotary(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary table (``cos``, signed ``sin``, one row per position), grown now to

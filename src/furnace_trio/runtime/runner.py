@@ -184,8 +184,9 @@ class ModelRunner:
             self.kv_dtype = torch.float16 if half_kv else self.dtype
         per_block = KVCache.bytes_per_block(config, settings.block_size, self.kv_dtype)
         # The multi-token-prediction layer's cache: one layer more under the same blocks.
-        mtp_config = dataclasses.replace(config, num_layers=1, sliding_layers=(), moe=None)
+        mtp_config = None
         if self.model.mtp is not None:
+            mtp_config = dataclasses.replace(config, num_layers=1, sliding_layers=(), moe=None)
             per_block += KVCache.bytes_per_block(mtp_config, settings.block_size, self.kv_dtype)
         num_blocks = max(1, settings.kv_cache_bytes // per_block)
         graphs = settings.cuda_graphs
@@ -205,7 +206,7 @@ class ModelRunner:
         )
         #: The multi-token-prediction layer's KV cache (runtime/mtp.py), where it is built.
         self.mtp_cache: KVCache | None = None
-        if self.model.mtp is not None:
+        if mtp_config is not None:
             self.mtp_cache = KVCache(
                 mtp_config,
                 num_blocks=num_blocks,
