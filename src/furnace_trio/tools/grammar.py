@@ -69,10 +69,18 @@ class GrammarConstraint:
         self._end_on_repeat = end_on_repeat
         self._matchers: dict[int, llguidance.LLMatcher] = {}
         self._consumed: dict[int, list[int]] = {}
+        # How many consumed tokens are the sequence's own output (never rolled back), and
+        # the drafts whose positions the sampler is about to ask for (valid_drafts).
+        self._settled: dict[int, int] = {}
+        self._ahead: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._lifted: set[int] = set()
 
     def allowed(self, seq_id: int, output_token_ids: Sequence[int]) -> np.ndarray | None:
-        matcher = self._synced(seq_id, output_token_ids)
+        ahead = self._ahead.get(seq_id)
+        drafting = ahead is not None and _follows(output_token_ids, *ahead)
+        if not drafting:
+            self._ahead.pop(seq_id, None)
+        matcher = self._synced(seq_id, output_token_ids, settle=not drafting)
         if matcher is None:
             return None
         mask = allocate_token_bitmask(1, self._vocab)
@@ -93,23 +101,31 @@ class GrammarConstraint:
     ) -> int:
         """How many of ``drafts``, proposed after ``output_token_ids``, the grammar takes
         in a row (all of them where the constraint is lifted); nothing is consumed."""
-        matcher = self._synced(seq_id, output_token_ids)
+        matcher = self._synced(seq_id, output_token_ids, settle=True)
         if matcher is None:
             return len(drafts)
-        return int(matcher.validate_tokens(list(drafts)))
+        valid = int(matcher.validate_tokens(list(drafts)))
+        self._ahead[seq_id] = (len(output_token_ids), tuple(drafts[:valid]))
+        return valid
 
-    def _synced(self, seq_id: int, output_token_ids: Sequence[int]) -> llguidance.LLMatcher | None:
+    def _synced(
+        self, seq_id: int, output_token_ids: Sequence[int], *, settle: bool
+    ) -> llguidance.LLMatcher | None:
         """The sequence's matcher after exactly ``output_token_ids`` (``None``: lifted):
-        drafts it consumed that the output does not hold rolled back, new tokens consumed."""
+        drafts it consumed that the output does not hold rolled back, new tokens consumed.
+        Only the tokens past the settled ones are compared; ``settle``: these are the
+        sequence's own output (not a draft position's), so they settle."""
         if seq_id in self._lifted:
             return None
         matcher = self._matchers.get(seq_id)
         if matcher is None:
             matcher = self._matchers[seq_id] = self._template.deep_copy()
         consumed = self._consumed.setdefault(seq_id, [])
-        keep = len(consumed)
-        if keep > len(output_token_ids) or consumed != list(output_token_ids[:keep]):
-            keep = _common_prefix(consumed, output_token_ids)
+        settled = self._settled.get(seq_id, 0)
+        if settled > len(output_token_ids):  # not an extension of the settled output
+            settled = 0
+        keep = settled + _common_prefix(consumed[settled:], output_token_ids[settled:])
+        if keep < len(consumed):
             matcher.rollback(len(consumed) - keep)
             del consumed[keep:]
         for token in output_token_ids[keep:]:
@@ -123,7 +139,17 @@ class GrammarConstraint:
                 self._lifted.add(seq_id)
                 return None
             consumed.append(token)
+        if settle:
+            self._settled[seq_id] = len(consumed)
         return matcher
+
+
+def _follows(tokens: Sequence[int], start: int, drafts: tuple[int, ...]) -> bool:
+    """Whether ``tokens`` are a draft position's: ``start`` tokens and then a prefix of
+    ``drafts``."""
+    return start <= len(tokens) <= start + len(drafts) and (
+        tuple(tokens[start:]) == drafts[: len(tokens) - start]
+    )
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
