@@ -11,7 +11,7 @@ from the best calls and as the median of the paired calls' ratios, and whether t
 builds' outputs are bitwise equal.
 
     PYTHONPATH=src python benchmarks/bench_kquant_ab.py [--base main] [--rounds 40]
-        [--rows 1,16] [--flags -mno-avx512f] [--new-flags "-DKQ_ROWS=2 -DKQ_HALVES=2"]
+        [--rows 1,16] [--flags -mno-avx512f] [--new-flags "-DKQ_ROWS=2 -DKQ_VECS=4"]
 """
 
 from __future__ import annotations

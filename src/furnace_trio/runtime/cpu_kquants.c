@@ -42,11 +42,12 @@
 /* ggml's type numbers (gguf.GGMLQuantizationType). */
 enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14 };
 #define QK 256
-/* Rows per register block of the K-quant kernels and the nibble halves (pairs of code
- * vectors, 1 or PV / 2) each pass over a block covers: four rows against half a panel on
- * AVX2 (8 run sums and 8 totals, 2 code vectors, the broadcasts: within its 16
- * registers), six on AVX-512 (24 of its 32); one row alone against the whole panel.
- * (Overridable with -D for measurements.) */
+/* Rows per register block of the K-quant kernels and the code vectors (1, 2 or PV) each
+ * pass over a block covers: four rows against half a panel (a nibble half: 2 code
+ * vectors) on AVX2 (8 run sums, the 2 code vectors and a broadcast in 16 registers; the
+ * 8 totals go to memory once per run), six on AVX-512 (24 of its 32); one row alone
+ * against the whole panel. (Overridable with -D for measurements; on Zen 3 one code
+ * vector a pass, or two rows against the whole panel, measured slower.) */
 #ifndef KQ_ROWS
 #if VW == 16
 #define KQ_ROWS 6
@@ -54,8 +55,8 @@ enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K
 #define KQ_ROWS 4
 #endif
 #endif
-#ifndef KQ_HALVES
-#define KQ_HALVES 1
+#ifndef KQ_VECS
+#define KQ_VECS 2
 #endif
 /* The blocks' codes are prefetched this many bytes ahead (about one Q6_K or two Q4_K
  * blocks of a panel): on the one-row decode further than the int8 kernels' distance keeps
@@ -225,17 +226,15 @@ static ALWAYS_INLINE int kq_extra(const int type) {
     return type == GG_Q5_0 || type == GG_Q5_K ? 1 : type == GG_Q6_K ? 2 : 0;
 }
 
-/* Whether code vector v is one of the nibble halves h0 .. h0 + H - 1 (vectors h and
- * h + PV / 2 of each). */
-static ALWAYS_INLINE int kq_in(const int v, const int h0, const int H) {
-    const int h = v % (PV / 2);
-    return h >= h0 && h < h0 + H;
-}
+/* Whether code vector v is in vm, a mask of code vectors (bit v). */
+static ALWAYS_INLINE int kq_in(const int v, const int vm) { return (vm >> v) & 1; }
+/* Every code vector of a panel. */
+#define KQ_ALL ((1 << PV) - 1)
 
-/* The codes of quad j of a block: PV vectors of unsigned bytes (kq_codes_of: only those of
- * halves h0 .. h0 + H - 1). */
-static ALWAYS_INLINE void kq_codes_of(const int extra, const uint8_t *c, const int j, const int h0,
-                                      const int H, vb wv[PV]) {
+/* The codes of quad j of a block: PV vectors of unsigned bytes (kq_codes_of: only those in
+ * vm; a load of low nibbles holds vectors h and h + PV / 2). */
+static ALWAYS_INLINE void kq_codes_of(const int extra, const uint8_t *c, const int j, const int vm,
+                                      vb wv[PV]) {
     const uint8_t *nib = c + j * 2 * PW, *plane = NULL;
     if (extra == 1) {
         nib = c + (j / 2) * 5 * PW + (j % 2) * 2 * PW;
@@ -245,7 +244,8 @@ static ALWAYS_INLINE void kq_codes_of(const int extra, const uint8_t *c, const i
         plane = nib + 2 * PW;
     }
 #pragma GCC unroll 2
-    for (int h = h0; h < h0 + H; h++) {
+    for (int h = 0; h < PV / 2; h++) {
+        if (!kq_in(h, vm) && !kq_in(h + PV / 2, vm)) continue;
         const vb raw = vb_load(nib + h * 4 * VW);
         wv[h] = vb_low(raw);
         wv[h + PV / 2] = vb_high(raw);
@@ -254,12 +254,12 @@ static ALWAYS_INLINE void kq_codes_of(const int extra, const uint8_t *c, const i
         const vb bits = vb_load(plane);
 #pragma GCC unroll 4
         for (int v = 0; v < PV; v++)
-            if (kq_in(v, h0, H))
+            if (kq_in(v, vm))
                 wv[v] = vb_or(wv[v], vb_field(bits, extra == 1 ? 4 * (j % 2) + v : 2 * v, extra));
     }
 }
 static ALWAYS_INLINE void kq_codes(const int extra, const uint8_t *c, const int j, vb wv[PV]) {
-    kq_codes_of(extra, c, j, 0, PV / 2, wv);
+    kq_codes_of(extra, c, j, KQ_ALL, wv);
 }
 
 /* Quads per run (see vp): the most whose int16 pair sums cannot overflow. A pair sum is
@@ -275,14 +275,21 @@ static ALWAYS_INLINE int kq_run(const int type) {
 
 /* Quad j of a block against R rows into their runs: the first quad of a run starts them.
  * The codes come unpacked from pre (kq_unpack_first) or are unpacked here. */
-static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, const int h0,
-                                  const int H, const uint8_t *blk, const vb *pre, const int j,
+static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, const int vm,
+                                  const uint8_t *blk, const vb *pre, const int j,
                                   const int8_t *a, int64_t K, vp part[][PV]) {
     vb wv[PV];
     if (pre) {
 #pragma GCC unroll 4
         for (int v = 0; v < PV; v++)
-            if (kq_in(v, h0, H)) wv[v] = pre[j * PV + v];
+            if (kq_in(v, vm)) {
+                wv[v] = pre[j * PV + v];
+#if VW == 8
+                /* held in a register for all the rows (GCC otherwise loads it again per row,
+                 * and the loads, not the multiplies, bound the loop) */
+                __asm__("" : "+x"(wv[v]));
+#endif
+            }
     } else {
 #if VW > 1
         /* every cache line of the quad's codes (one to three), KQ_PREFETCH_BYTES ahead */
@@ -290,25 +297,25 @@ static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, 
         for (int64_t l = 0; l < step; l += 64)
             _mm_prefetch((const char *)blk + j * step + l + KQ_PREFETCH_BYTES, _MM_HINT_T0);
 #endif
-        kq_codes_of(kq_extra(type), blk, j, h0, H, wv);
+        kq_codes_of(kq_extra(type), blk, j, vm, wv);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         const vb xb = vb_set4(a + r * K + 4 * j);
 #pragma GCC unroll 4
         for (int v = 0; v < PV; v++)
-            if (kq_in(v, h0, H))
+            if (kq_in(v, vm))
                 part[r][v] = first ? vp_first(wv[v], xb) : vp_dot(part[r][v], wv[v], xb);
     }
 }
 
 /* One K-quant super-block against R rows from row 0 of a (codes, row stride K) and sums
- * (row stride groups), into tot (row stride PW), for the outputs of nibble halves h0 ..
- * h0 + H - 1 (kq_in). scv: the block's scales (vs_scale),
+ * (row stride groups), into tot (row stride PW), for the outputs of the code vectors in vm
+ * (kq_in). scv: the block's scales (vs_scale),
  * [sub-block][PV]; cp: the correction coefficients in pairs (vi_pack2), the minimums of
  * Q4_K and Q5_K ([4][PV], against the sums per 32) or the scales of Q6_K ([8][PV], against
  * the sums per 16). */
-static ALWAYS_INLINE void kq_super_rows(const int type, const int R, const int h0, const int H,
+static ALWAYS_INLINE void kq_super_rows(const int type, const int R, const int vm,
                                         const uint8_t *blk, const vb *pre, const vi *scv, const vi *cp,
                                         const int8_t *a,
                                         int64_t K, const q8k_sums *sums, int64_t groups,
@@ -320,24 +327,24 @@ static ALWAYS_INLINE void kq_super_rows(const int type, const int R, const int h
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int v = 0; v < PV; v++)
-            if (kq_in(v, h0, H)) acc[r][v] = vi_zero();
+            if (kq_in(v, vm)) acc[r][v] = vi_zero();
 #pragma GCC unroll 1
     for (int j0 = 0; j0 < QK / 4; j0 += run) {
         vp part[KQ_ROWS][PV];
-        kq_quad(type, 1, R, h0, H, blk, pre, j0, a, K, part);
+        kq_quad(type, 1, R, vm, blk, pre, j0, a, K, part);
 #pragma GCC unroll 1
-        for (int j = j0 + 1; j < j0 + run; j++) kq_quad(type, 0, R, h0, H, blk, pre, j, a, K, part);
+        for (int j = j0 + 1; j < j0 + run; j++) kq_quad(type, 0, R, vm, blk, pre, j, a, K, part);
         const vi *sc = scv + (j0 / quads) * PV;
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
             for (int v = 0; v < PV; v++)
-                if (kq_in(v, h0, H)) acc[r][v] = vi_scaled(acc[r][v], part[r][v], sc[v]);
+                if (kq_in(v, vm)) acc[r][v] = vi_scaled(acc[r][v], part[r][v], sc[v]);
     }
     const uint16_t *dh = (const uint16_t *)(blk + kq_code_bytes(type) + 16 * PW);
 #pragma GCC unroll 4
     for (int v = 0; v < PV; v++) {
-        if (!kq_in(v, h0, H)) continue;
+        if (!kq_in(v, vm)) continue;
         const vf d = v_loadh(dh + v * VW);
         const vf dmin = type == GG_Q6_K ? d : v_loadh(dh + PW + v * VW);
 #pragma GCC unroll 8
@@ -420,9 +427,9 @@ static ALWAYS_INLINE void kq_block_scales(const int type, const uint8_t *blk, vi
         }
 }
 
-/* Every row against block g of a K-quant panel, for the outputs of nibble halves h0 ..
- * h0 + KQ_HALVES - 1, KQ_ROWS rows at a time. */
-static ALWAYS_INLINE void kq_super_pass(const int type, const int h0, const int8_t *a,
+/* Every row against block g of a K-quant panel, for the outputs of the code vectors in vm,
+ * KQ_ROWS rows at a time. */
+static ALWAYS_INLINE void kq_super_pass(const int type, const int vm, const int8_t *a,
                                         const void *act, int64_t M, int64_t K, int64_t g,
                                         const uint8_t *blk, const vb *pre, const vi *scv, const vi *cp,
                                         float *tot) {
@@ -433,7 +440,7 @@ static ALWAYS_INLINE void kq_super_pass(const int type, const int h0, const int8
         const q8k_sums *q = (const q8k_sums *)act + m0 * groups + g;
         switch (M - m0 < KQ_ROWS ? M - m0 : KQ_ROWS) {
 #define KQ_CASE(R)                                                                         \
-    case R: kq_super_rows(type, R, h0, KQ_HALVES, blk, pre, scv, cp, am, K, q, groups, tm); break;
+    case R: kq_super_rows(type, R, vm, blk, pre, scv, cp, am, K, q, groups, tm); break;
             KQ_CASE(1)
             KQ_CASE(2)
 #if KQ_ROWS > 2
@@ -468,7 +475,7 @@ static ALWAYS_INLINE void kq_panel(const int type, const int8_t *a, const void *
         if (kq_block_k(type) == QK) kq_block_scales(type, blk, scv, cp);
         if (kq_block_k(type) == QK) {
             if (M == 1) /* one row: all of the panel at once, the registers allow it */
-                kq_super_rows(type, 1, 0, PV / 2, blk, NULL, scv, cp, a + g * QK, K,
+                kq_super_rows(type, 1, KQ_ALL, blk, NULL, scv, cp, a + g * QK, K,
                               (const q8k_sums *)act + g, groups, tot);
             else
             {
@@ -482,9 +489,19 @@ static ALWAYS_INLINE void kq_panel(const int type, const int8_t *a, const void *
 #endif
                     kq_codes(kq_extra(type), blk, j, pre + j * PV);
                 }
-                kq_super_pass(type, 0, a, act, M, K, g, blk, codes, scv, cp, tot);
-                if (KQ_HALVES < PV / 2)
-                    kq_super_pass(type, 1, a, act, M, K, g, blk, codes, scv, cp, tot);
+#define KQ_PASS(vm) kq_super_pass(type, vm, a, act, M, K, g, blk, codes, scv, cp, tot)
+#if KQ_VECS == 4
+                KQ_PASS(KQ_ALL);
+#elif KQ_VECS == 2 /* a nibble half each: vectors h and h + PV / 2 */
+                KQ_PASS(0x5);
+                KQ_PASS(0xa);
+#else
+                KQ_PASS(0x1);
+                KQ_PASS(0x2);
+                KQ_PASS(0x4);
+                KQ_PASS(0x8);
+#endif
+#undef KQ_PASS
             }
             continue;
         }
