@@ -286,6 +286,13 @@ int furnace_w8_panel_width(void) { return PW; }
  * kept out of line: inlined into every register-block variant it made the build slow. */
 static __attribute__((noinline)) void w8_store(vf acc, int64_t n, int64_t N, const float *scale,
                                    const float *bias, float *yrow) {
+    if (n + VW <= N) { /* a whole vector: the same products and sums as the loop below */
+        vf s = acc;
+        if (scale) s = v_mul(s, v_load(scale + n));
+        if (bias) s = v_add(s, v_load(bias + n));
+        v_store(yrow + n, s);
+        return;
+    }
     float tmp[VW];
     v_store(tmp, acc);
     for (int i = 0; i < VW && n + i < N; i++) {
@@ -548,19 +555,18 @@ static ALWAYS_INLINE void qx_panel_rows(const int bits, const int8_t *a, const f
             w8_store(v_load(tot + r * PW + v * VW), n0 + v * VW, N, NULL, bias, y + (m0 + r) * N);
 }
 
-/* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) with x quantized as above (K a multiple
- * of Q4_GROUP) and w in 4-bit (bits = 4) or 8-bit (bits = 8) panels. a, s, sum:
- * furnace_q8_rows of x; bias: [N] or NULL; y: [M, N]. */
-void furnace_qx_linear_q8(int bits, const int8_t *a, const float *s, const float *sum, int64_t M,
-                          int64_t K, const uint8_t *wp, const float *bias, int64_t N, float *y) {
-    const int64_t panels = (N + PW - 1) / PW, groups = K / Q4_GROUP;
+/* Every row against panel p of furnace_qx_linear_q8 (below). Out of line: called once per
+ * panel from both of its schedules. */
+static __attribute__((noinline)) void qx_panel(int bits, const int8_t *a, const float *s,
+                                               const float *sum, int64_t M, int64_t K,
+                                               const uint8_t *wp, int64_t p, const float *bias,
+                                               int64_t N, float *y) {
+    const int64_t groups = K / Q4_GROUP;
     const int64_t block_bytes = bits == 4 ? Q4_BLOCK : Q8_BLOCK;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        const uint8_t *w = wp + p * groups * block_bytes;
-        const int64_t n0 = p * PW;
-        for (int64_t m0 = 0; m0 < M; m0 += Q4_ROWS) {
-            switch (M - m0 < Q4_ROWS ? M - m0 : Q4_ROWS) {
+    const uint8_t *w = wp + p * groups * block_bytes;
+    const int64_t n0 = p * PW;
+    for (int64_t m0 = 0; m0 < M; m0 += Q4_ROWS) {
+        switch (M - m0 < Q4_ROWS ? M - m0 : Q4_ROWS) {
 #define QX_CASE(R)                                                                   \
     case R:                                                                          \
         if (bits == 4)                                                               \
@@ -568,19 +574,36 @@ void furnace_qx_linear_q8(int bits, const int8_t *a, const float *s, const float
         else                                                                         \
             qx_panel_rows(8, a, s, sum, m0, R, K, w, n0, N, bias, y);                \
         break;
-                QX_CASE(1)
-                QX_CASE(2)
+            QX_CASE(1)
+            QX_CASE(2)
 #if Q4_ROWS > 2
-                QX_CASE(3)
-                QX_CASE(4)
+            QX_CASE(3)
+            QX_CASE(4)
 #endif
 #if Q4_ROWS > 4
-                QX_CASE(5)
-                QX_CASE(6)
+            QX_CASE(5)
+            QX_CASE(6)
 #endif
 #undef QX_CASE
-            }
         }
+    }
+}
+
+/* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) with x quantized as above (K a multiple
+ * of Q4_GROUP) and w in 4-bit (bits = 4) or 8-bit (bits = 8) panels. a, s, sum:
+ * furnace_q8_rows of x; bias: [N] or NULL; y: [M, N]. One row reads its weights from
+ * memory, each thread one contiguous run of panels; several rows are bound by arithmetic,
+ * and their panels go to threads as they come free (a core taken by other work, such as
+ * the server's own thread, then delays no one). */
+void furnace_qx_linear_q8(int bits, const int8_t *a, const float *s, const float *sum, int64_t M,
+                          int64_t K, const uint8_t *wp, const float *bias, int64_t N, float *y) {
+    const int64_t panels = (N + PW - 1) / PW;
+    if (M == 1) {
+#pragma omp parallel for schedule(static)
+        for (int64_t p = 0; p < panels; p++) qx_panel(bits, a, s, sum, M, K, wp, p, bias, N, y);
+    } else {
+#pragma omp parallel for schedule(dynamic, 2)
+        for (int64_t p = 0; p < panels; p++) qx_panel(bits, a, s, sum, M, K, wp, p, bias, N, y);
     }
 }
 
