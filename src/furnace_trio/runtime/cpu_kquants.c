@@ -64,6 +64,12 @@ enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K
 #ifndef KQ_PREFETCH_BYTES
 #define KQ_PREFETCH_BYTES 8192
 #endif
+/* Q6_K's one-row pass prefetches twice as far: its codes take the most unpacking per byte,
+ * and with KQ_PREFETCH_BYTES a one-row call read 3% to 8% slower (Zen 3; docs/benchmarks.md).
+ * Several rows keep KQ_PREFETCH_BYTES (further measured no better there). */
+#ifndef KQ_PREFETCH_BYTES_Q6
+#define KQ_PREFETCH_BYTES_Q6 (2 * KQ_PREFETCH_BYTES)
+#endif
 
 /* Integer helpers: vi_u8 / vi_i8 widen VW bytes to int32 lanes; vi_pack2 packs two int16
  * coefficients per lane (c0 low, c1 high) and vi_pairs adds c0 * b[0] + c1 * b[1] per lane
@@ -292,10 +298,12 @@ static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, 
             }
     } else {
 #if VW > 1
-        /* every cache line of the quad's codes (one to three), KQ_PREFETCH_BYTES ahead */
+        /* every cache line of the quad's codes (one to three), KQ_PREFETCH_BYTES ahead (Q6_K
+         * alone: KQ_PREFETCH_BYTES_Q6, see there; on AVX2 this path is the one-row one) */
         const int64_t step = kq_code_bytes(type) / 64;
+        const int64_t ahead = type == GG_Q6_K && R == 1 ? KQ_PREFETCH_BYTES_Q6 : KQ_PREFETCH_BYTES;
         for (int64_t l = 0; l < step; l += 64)
-            _mm_prefetch((const char *)blk + j * step + l + KQ_PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + j * step + l + ahead, _MM_HINT_T0);
 #endif
         kq_codes_of(kq_extra(type), blk, j, vm, wv);
     }
