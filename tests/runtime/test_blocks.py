@@ -158,6 +158,29 @@ def test_rows_are_batch_invariant(kernels: native.Kernels, ggml_type: int) -> No
     assert torch.equal(module(x[20:21])[0], whole[20])
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [("-DKQ_VECS=1",), ("-DKQ_VECS=4", "-DKQ_ROWS=2"), ("-DKQ_ROWS=3",)],
+    ids=["one-vector", "whole-panel", "three-rows"],
+)
+def test_k_quant_register_blockings_agree(flags: tuple[str, ...]) -> None:
+    """The K-quant kernels' other register blockings (``-D`` switches for measurements)
+    give bitwise the outputs of the default one, for one row and for several."""
+    default = load_build("native")
+    other = native.load(extra_flags=flags)
+    assert other is not None
+    rng = np.random.default_rng(7)
+    n, k = 70, 512
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(5))
+    for ggml_type in K_QUANTS:
+        blocks = random_blocks(ggml_type, n, k, rng)
+        a = linear_from_blocks(blocks, ggml_type, (n, k), None, default)
+        b = linear_from_blocks(blocks, ggml_type, (n, k), None, other)
+        assert a is not None and b is not None
+        assert torch.equal(a(x), b(x))
+        assert torch.equal(a(x[:1]), b(x[:1]))
+
+
 def test_packing_matches_the_q4_1_and_q8_0_kernels(kernels: native.Kernels) -> None:
     """Q4_1 and Q8_0 blocks pack into exactly the panels pack_q4 / pack_q8 make from the
     same codes (no float round trip)."""
