@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import time
 from typing import Any
 
 import torch
@@ -132,3 +133,19 @@ def transformers_model(loaded: LoadedModel) -> Any:
     model.load_state_dict(dict(loaded.weights), strict=False)
     model.tie_weights()
     return model
+
+
+def bandwidth(rounds: int) -> tuple[float, float]:
+    """GB/s of a float32 sum over 1 GiB and of a 512 MiB copy (bytes read + written)."""
+    big = torch.ones(2**28, dtype=torch.float32)
+    half = big[: 2**27]
+    dst = torch.empty_like(half)
+    sums, copies = [], []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        big.sum()
+        sums.append(big.numel() * 4 / (time.perf_counter() - t) / 1e9)
+        t = time.perf_counter()
+        dst.copy_(half)
+        copies.append(2 * half.numel() * 4 / (time.perf_counter() - t) / 1e9)
+    return max(sums), max(copies)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _common import bandwidth
 from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -38,22 +39,6 @@ def cpu_model() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return "unknown CPU"
-
-
-def bandwidth(rounds: int) -> tuple[float, float]:
-    """GB/s of a float32 sum over 1 GiB and of a 512 MiB copy (bytes read + written)."""
-    big = torch.ones(2**28, dtype=torch.float32)
-    half = big[: 2**27]
-    dst = torch.empty_like(half)
-    sums, copies = [], []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        big.sum()
-        sums.append(big.numel() * 4 / (time.perf_counter() - t) / 1e9)
-        t = time.perf_counter()
-        dst.copy_(half)
-        copies.append(2 * half.numel() * 4 / (time.perf_counter() - t) / 1e9)
-    return max(sums), max(copies)
 
 
 def main() -> None:

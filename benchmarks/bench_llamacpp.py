@@ -24,7 +24,9 @@ server's prompt cache holds more of it than the chat template's system message.
 
 The servers start one after the other, each alone on the machine: the time until its
 ``/health`` (or llama-server's) answers 200 is its load time. Peak resident memory is
-read at the end (``VmHWM`` of the server and its children).
+read at the end (``VmHWM`` of the server and its children). Before either starts, the
+memory's speed is measured (a float32 sum over 1 GiB, as ``bench_kquant.py``): with one
+stream, each server's ITL p50 is also given against the file's bytes read at that speed.
 
 Every completion must report ``--max-tokens`` completion tokens (``usage``), so both
 servers did the same work; both servers' greedy answers to one prompt are printed.
@@ -56,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from _common import PROMPTS, long_prompt_text, machine, pct
+from _common import PROMPTS, bandwidth, long_prompt_text, machine, pct
 from _llama_server import find_llama_server, llama_server_version
 from _model_shapes import SHAPES, gguf_file
 from bench_http import Result, closed_loop, free_port, serve, wait_ready
@@ -168,7 +170,7 @@ def ratios(ours: list[float], theirs: list[float]) -> str:
     return f"{statistics.median(values):.2f}x [{values[0]:.2f}, {values[-1]:.2f}]"
 
 
-def report(furnace: Server, llama: Server) -> None:
+def report(furnace: Server, llama: Server, gguf: Path, memory_gbs: float) -> None:
     print(
         "\n| streams | furnace-trio tok/s | llama.cpp tok/s | furnace / llama.cpp, median "
         "[range] | TTFT p50 ms (furnace / llama.cpp) | ITL p50 ms (furnace / llama.cpp) |"
@@ -188,6 +190,18 @@ def report(furnace: Server, llama: Server) -> None:
             f"| {key} | {statistics.median(ours_tps):.1f} | {statistics.median(theirs_tps):.1f} "
             f"| {ratios(ours_tps, theirs_tps)} | {p50(ours, 'ttft'):.0f} / "
             f"{p50(theirs, 'ttft'):.0f} | {p50(ours, 'itl'):.1f} / {p50(theirs, 'itl'):.1f} |"
+        )
+    if "1" in furnace.results:
+        # issue 28's bound: the file's bytes read once a token at the measured bandwidth
+        bound_ms = gguf.stat().st_size / (memory_gbs * 1e9) * 1e3
+        parts = []
+        for server in (furnace, llama):
+            itl = pct([x for r in server.results["1"] for x in r.itl], 50) * 1e3
+            parts.append(f"{server.name} {itl:.1f} ms ({bound_ms / itl:.0%} of the bound)")
+        print(
+            f"\nOne stream against the memory bound: {gguf.stat().st_size / 1e6:.0f} MB at "
+            f"{memory_gbs:.1f} GB/s (a float32 sum, before the servers started) is "
+            f"{bound_ms:.1f} ms a token; ITL p50 {', '.join(parts)}"
         )
     ours_ttft = [r.ttft[0] for r in furnace.results["prefill"]]
     theirs_ttft = [r.ttft[0] for r in llama.results["prefill"]]
@@ -244,6 +258,8 @@ def main() -> None:
     if args.isa == "avx2":
         furnace_env["FURNACE_NATIVE_FLAGS"] = "-mno-avx512f -mno-avxvnni"
 
+    memory_gbs = bandwidth(3)[0]
+    print(f"memory: {memory_gbs:.1f} GB/s (float32 sum over 1 GiB, best of 3)")
     port = free_port()
     started = time.perf_counter()
     furnace = Server(SERVERS[0], f"http://127.0.0.1:{port}", serve(args.quant, port, furnace_env))
@@ -286,7 +302,7 @@ def main() -> None:
             server.proc.terminate()
         for server in servers:
             server.proc.wait(timeout=30)
-    report(furnace, llama)
+    report(furnace, llama, gguf, memory_gbs)
     retried = (f"{s.name} {sum(t.retries for t in s.transports)}" for s in servers)
     print(
         f"\nrequests sent again (a kept-alive connection closed unanswered): {', '.join(retried)}"
