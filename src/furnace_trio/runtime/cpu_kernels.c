@@ -14,6 +14,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -282,6 +285,22 @@ int furnace_vector_width(void) { return VW; }
 
 int furnace_w8_panel_width(void) { return PW; }
 
+/* The panels a thread takes at a time, as schedule(dynamic, panel_chunk(M, panels)) of a
+ * linear's panel loop inside its parallel region. One row reads its weights from memory:
+ * each thread takes one contiguous run of panels, as a static split would give it (a
+ * finer split measured 0.86x on the one-row decode step). Several rows are bound by
+ * arithmetic: panels go two at a time to threads as they come free, so a core taken by
+ * other work (the server's own thread, another process) delays no one. Either way a
+ * panel's outputs are one thread's work, the same whichever thread does it. */
+static inline int64_t panel_chunk(int64_t M, int64_t panels) {
+#ifdef _OPENMP
+    const int64_t threads = omp_get_num_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    return M == 1 ? (panels + threads - 1) / threads : 2;
+}
+
 /* y[m, n .. n + VW) from one accumulator: scale (when not NULL), bias, bounds. Outside the hot loop, and
  * kept out of line: inlined into every register-block variant it made the build slow. */
 static __attribute__((noinline)) void w8_store(vf acc, int64_t n, int64_t N, const float *scale,
@@ -364,7 +383,7 @@ void furnace_w8_linear(const float *x, int64_t M, int64_t K, const int8_t *wp,
 #pragma omp parallel
     {
         float *wf = M > W8_WIDEN_ROWS ? (float *)malloc(sizeof(float) * K * PW) : NULL;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, panel_chunk(M, panels))
         for (int64_t p = 0; p < panels; p++) {
             const int8_t *w = wp + p * K * PW;
             const int64_t n0 = p * PW;
@@ -555,18 +574,20 @@ static ALWAYS_INLINE void qx_panel_rows(const int bits, const int8_t *a, const f
             w8_store(v_load(tot + r * PW + v * VW), n0 + v * VW, N, NULL, bias, y + (m0 + r) * N);
 }
 
-/* Every row against panel p of furnace_qx_linear_q8 (below). Out of line: called once per
- * panel from both of its schedules. */
-static __attribute__((noinline)) void qx_panel(int bits, const int8_t *a, const float *s,
-                                               const float *sum, int64_t M, int64_t K,
-                                               const uint8_t *wp, int64_t p, const float *bias,
-                                               int64_t N, float *y) {
-    const int64_t groups = K / Q4_GROUP;
+/* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) with x quantized as above (K a multiple
+ * of Q4_GROUP) and w in 4-bit (bits = 4) or 8-bit (bits = 8) panels. a, s, sum:
+ * furnace_q8_rows of x; bias: [N] or NULL; y: [M, N]. */
+void furnace_qx_linear_q8(int bits, const int8_t *a, const float *s, const float *sum, int64_t M,
+                          int64_t K, const uint8_t *wp, const float *bias, int64_t N, float *y) {
+    const int64_t panels = (N + PW - 1) / PW, groups = K / Q4_GROUP;
     const int64_t block_bytes = bits == 4 ? Q4_BLOCK : Q8_BLOCK;
-    const uint8_t *w = wp + p * groups * block_bytes;
-    const int64_t n0 = p * PW;
-    for (int64_t m0 = 0; m0 < M; m0 += Q4_ROWS) {
-        switch (M - m0 < Q4_ROWS ? M - m0 : Q4_ROWS) {
+#pragma omp parallel
+#pragma omp for schedule(dynamic, panel_chunk(M, panels))
+    for (int64_t p = 0; p < panels; p++) {
+        const uint8_t *w = wp + p * groups * block_bytes;
+        const int64_t n0 = p * PW;
+        for (int64_t m0 = 0; m0 < M; m0 += Q4_ROWS) {
+            switch (M - m0 < Q4_ROWS ? M - m0 : Q4_ROWS) {
 #define QX_CASE(R)                                                                   \
     case R:                                                                          \
         if (bits == 4)                                                               \
@@ -574,36 +595,19 @@ static __attribute__((noinline)) void qx_panel(int bits, const int8_t *a, const 
         else                                                                         \
             qx_panel_rows(8, a, s, sum, m0, R, K, w, n0, N, bias, y);                \
         break;
-            QX_CASE(1)
-            QX_CASE(2)
+                QX_CASE(1)
+                QX_CASE(2)
 #if Q4_ROWS > 2
-            QX_CASE(3)
-            QX_CASE(4)
+                QX_CASE(3)
+                QX_CASE(4)
 #endif
 #if Q4_ROWS > 4
-            QX_CASE(5)
-            QX_CASE(6)
+                QX_CASE(5)
+                QX_CASE(6)
 #endif
 #undef QX_CASE
+            }
         }
-    }
-}
-
-/* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) with x quantized as above (K a multiple
- * of Q4_GROUP) and w in 4-bit (bits = 4) or 8-bit (bits = 8) panels. a, s, sum:
- * furnace_q8_rows of x; bias: [N] or NULL; y: [M, N]. One row reads its weights from
- * memory, each thread one contiguous run of panels; several rows are bound by arithmetic,
- * and their panels go to threads as they come free (a core taken by other work, such as
- * the server's own thread, then delays no one). */
-void furnace_qx_linear_q8(int bits, const int8_t *a, const float *s, const float *sum, int64_t M,
-                          int64_t K, const uint8_t *wp, const float *bias, int64_t N, float *y) {
-    const int64_t panels = (N + PW - 1) / PW;
-    if (M == 1) {
-#pragma omp parallel for schedule(static)
-        for (int64_t p = 0; p < panels; p++) qx_panel(bits, a, s, sum, M, K, wp, p, bias, N, y);
-    } else {
-#pragma omp parallel for schedule(dynamic, 2)
-        for (int64_t p = 0; p < panels; p++) qx_panel(bits, a, s, sum, M, K, wp, p, bias, N, y);
     }
 }
 

@@ -532,24 +532,6 @@ static ALWAYS_INLINE void kq_panel(const int type, const int8_t *a, const void *
     }
 }
 
-/* Every row against panel p (w: its bytes) into y, through tot (M x PW floats). Out of line:
- * called once per panel from both schedules below. */
-static __attribute__((noinline)) void kq_panel_out(int type, const int8_t *a, const void *act,
-                                                   int64_t M, int64_t K, const uint8_t *w, int64_t p,
-                                                   const float *bias, int64_t N, float *y, float *tot) {
-    memset(tot, 0, sizeof(float) * M * PW);
-    switch (type) {
-    case GG_Q4_0: kq_panel(GG_Q4_0, a, act, M, K, w, tot); break;
-    case GG_Q5_0: kq_panel(GG_Q5_0, a, act, M, K, w, tot); break;
-    case GG_Q4_K: kq_panel(GG_Q4_K, a, act, M, K, w, tot); break;
-    case GG_Q5_K: kq_panel(GG_Q5_K, a, act, M, K, w, tot); break;
-    default: kq_panel(GG_Q6_K, a, act, M, K, w, tot); break;
-    }
-    for (int64_t m = 0; m < M; m++)
-        for (int v = 0; v < PV; v++)
-            w8_store(v_load(tot + m * PW + v * VW), p * PW + v * VW, N, NULL, bias, y + m * N);
-}
-
 /* Scratch bytes furnace_kq_linear needs for M rows of K. */
 int64_t furnace_kq_scratch(int type, int64_t M, int64_t K) {
     const int64_t sums = kq_block_k(type) == QK ? M * (K / QK) * (int64_t)sizeof(q8k_sums)
@@ -587,17 +569,21 @@ int furnace_kq_linear(int type, const float *x, int64_t M, int64_t K, const uint
 #pragma omp atomic write
             failed = 1;
         }
-        if (M == 1) {
-            /* one row reads its weights from memory: each thread one contiguous stream */
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; p++)
-                if (tot) kq_panel_out(type, a, scratch, M, K, wp + p * panel_bytes, p, bias, N, y, tot);
-        } else {
-            /* several rows are bound by arithmetic: panels handed out as threads come free,
-             * so a core taken by other work (the server's own thread) delays no one */
-#pragma omp for schedule(dynamic, 2)
-            for (int64_t p = 0; p < panels; p++)
-                if (tot) kq_panel_out(type, a, scratch, M, K, wp + p * panel_bytes, p, bias, N, y, tot);
+#pragma omp for schedule(dynamic, panel_chunk(M, panels))
+        for (int64_t p = 0; p < panels; p++) {
+            if (!tot) continue;
+            memset(tot, 0, sizeof(float) * M * PW);
+            const uint8_t *w = wp + p * panel_bytes;
+            switch (type) {
+            case GG_Q4_0: kq_panel(GG_Q4_0, a, scratch, M, K, w, tot); break;
+            case GG_Q5_0: kq_panel(GG_Q5_0, a, scratch, M, K, w, tot); break;
+            case GG_Q4_K: kq_panel(GG_Q4_K, a, scratch, M, K, w, tot); break;
+            case GG_Q5_K: kq_panel(GG_Q5_K, a, scratch, M, K, w, tot); break;
+            default: kq_panel(GG_Q6_K, a, scratch, M, K, w, tot); break;
+            }
+            for (int64_t m = 0; m < M; m++)
+                for (int v = 0; v < PV; v++)
+                    w8_store(v_load(tot + m * PW + v * VW), p * PW + v * VW, N, NULL, bias, y + m * N);
         }
         free(tot);
     }
