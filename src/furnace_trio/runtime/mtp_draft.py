@@ -149,10 +149,11 @@ class MTPDrafter:
             n = len(chunk.token_ids)
             waiting = self._waiting.pop(chunk.seq_id, None)
             self._ready.pop(chunk.seq_id, None)
-            nexts = list(chunk.token_ids[1:])  # the token after each position
-            if len(chunk.samples) == 1:  # verified: the real tokens and the accepted drafts
-                drawn = returned[chunk.samples[0].seq_id]
-                nexts = nexts[: n - chunk.num_drafts + len(drawn) - 2] + drawn[-1:]
+            # the token after each position the step verified: the chunk's own tokens after
+            # its first real one, then what the step drew (the accepted drafts and one more)
+            nexts = list(chunk.token_ids[1 : n - chunk.num_drafts])
+            if len(chunk.samples) == 1:
+                nexts += returned[chunk.samples[0].seq_id]
             elif not chunk.samples:  # a prompt chunk's last position waits
                 waits.append((chunk.seq_id, chunk.start_pos + n - 1, offset + n - 1))
             start = chunk.start_pos
