@@ -35,6 +35,7 @@ from bench_speculative import Run, chat_messages, run_rounds, run_workload
 from furnace_trio.engine import Engine
 from furnace_trio.engine.model_thread import ModelThread
 from furnace_trio.loading.loader import LoadedModel, load_model
+from furnace_trio.loading.model_config import MTP_PREFIX
 from furnace_trio.runtime.mtp_draft import MTPDrafter
 from furnace_trio.runtime.runner import ModelRunner, RunnerConfig
 from furnace_trio.server.backend import build_engine
@@ -49,7 +50,7 @@ SMALL = {
     "num_key_value_heads": 3,
     "tie_word_embeddings": True,
 }
-MTP = "model.mtp_layers.0."
+MTP = f"{MTP_PREFIX}0."
 
 
 def mimo_directory(shape: str, kind: str) -> Path:
@@ -74,9 +75,9 @@ def _mimo_weights(config: dict, *, echo: bool) -> Iterator[dict[str, torch.Tenso
     hidden = config["hidden_size"]
     last: dict[str, torch.Tensor] = {}
     for part in random_weights(config):
-        for name in [n for n in part if n.endswith(("q_proj.weight", "k_proj.weight"))]:
-            part[name.replace("weight", "bias")] = torch.zeros(part[name].shape[0])
-        for name in [n for n in part if n.endswith("v_proj.weight")]:
+        for name in [
+            n for n in part if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))
+        ]:
             part[name.replace("weight", "bias")] = torch.zeros(part[name].shape[0])
         if echo:
             for name in [n for n in part if n.endswith(("o_proj.weight", "down_proj.weight"))]:

@@ -17,9 +17,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from furnace_trio.loading.model_config import MTP_PREFIX
+
 from ._model_fixtures import write_tiny_model
 
-MTP = "model.mtp_layers.0"
+MTP = f"{MTP_PREFIX}0"
 
 
 def write_tiny_mimo(tmp_path: Path, *, echo: bool = False) -> Path:
