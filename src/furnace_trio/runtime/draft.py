@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from furnace_trio.core.plan import ChunkPlan, SampledToken, StepPlan
+from furnace_trio.core.tokens import common_prefix
 from furnace_trio.loading.model_config import UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -170,7 +171,7 @@ class DraftModel:
         cached = self._seqs.pop(seq_id, None) or _Cached()
         self._seqs[seq_id] = cached
         # the last token runs again whatever the cache holds: its logits give the first draft
-        cached.keep = min(_common_prefix(cached.tokens, context), len(context) - 1)
+        cached.keep = min(common_prefix(cached.tokens, context), len(context) - 1)
         if any(t >= self.vocab_size for t in context[cached.keep :]):
             return None  # a token the draft model has no embedding for
         need = -(-positions // self.block_size) - len(cached.blocks)
@@ -195,14 +196,6 @@ def _tail(chunk: ChunkPlan) -> ChunkPlan:
         token_ids=chunk.token_ids[CATCH_UP_TOKENS:],
         start_pos=chunk.start_pos + CATCH_UP_TOKENS,
     )
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def check_vocabulary(served: LoadedModel, draft: LoadedModel) -> None:

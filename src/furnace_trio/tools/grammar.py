@@ -28,6 +28,7 @@ import llguidance
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+from furnace_trio.core.tokens import common_prefix
 from furnace_trio.loading.tokenizer import Tokenizer
 from furnace_trio.tools.schema_bounds import ANY_VALUE_DEFS, bounded_schema, bounded_subschema
 
@@ -124,7 +125,7 @@ class GrammarConstraint:
         settled = self._settled.get(seq_id, 0)
         if settled > len(output_token_ids):  # not an extension of the settled output
             settled = 0
-        keep = settled + _common_prefix(consumed[settled:], output_token_ids[settled:])
+        keep = settled + common_prefix(consumed[settled:], output_token_ids[settled:])
         if keep < len(consumed):
             matcher.rollback(len(consumed) - keep)
             del consumed[keep:]
@@ -150,13 +151,6 @@ def _follows(tokens: Sequence[int], start: int, drafts: tuple[int, ...]) -> bool
     return start <= len(tokens) <= start + len(drafts) and (
         tuple(tokens[start:]) == drafts[: len(tokens) - start]
     )
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
 
 
 def _last_block_repeats(text: str, start: str, end: str) -> bool:
