@@ -19,7 +19,7 @@ def make(num_blocks: int = 8, block_size: int = 4) -> KVCacheManager:
 def admit(kv: KVCacheManager, prompt: list[int], **params: Any) -> RequestBlocks | None:
     p = SamplingParams(**params)
     keys = kv.prompt_keys(prompt)
-    computed = kv.get_computed_blocks(keys, len(prompt))
+    computed = kv.get_computed_blocks(keys, prompt)
     return kv.allocate_request(keys, len(prompt), p, computed)
 
 
@@ -64,6 +64,7 @@ def test_prefix_match_reuses_full_blocks_short_of_the_last_token() -> None:
     assert first is not None and first.num_cached_tokens == 0
     kv.allocate_slots(first.prompt, 10)
     kv.cache_blocks(first.prompt, prompt, 10)
+    table = list(first.prompt.block_table)
     kv.free(first.prompt)
     assert kv.pool.num_cached == 2
     second = admit(kv, prompt, max_tokens=2)
@@ -71,9 +72,12 @@ def test_prefix_match_reuses_full_blocks_short_of_the_last_token() -> None:
     assert len(second.prompt.block_table) == 2
     assert second.prompt.reserved == 1  # 11 positions: 3 blocks, 2 of them reused
     assert (kv.prefix_queries, kv.prefix_hits) == (20, 8)
-    # a prompt of exactly two blocks reuses only the first: its last token is computed
+    # a prompt of exactly two blocks shares the first and copies 3 tokens of the second:
+    # its last token is computed
     keys = kv.prompt_keys(prompt[:8])
-    assert kv.get_computed_blocks(keys, 8).num_tokens == 4
+    computed = kv.get_computed_blocks(keys, prompt[:8])
+    assert computed.blocks == (table[0],)
+    assert computed.partial == table[1] and computed.num_tokens == 7
 
 
 def test_revived_cached_blocks_count_against_admission() -> None:
@@ -85,7 +89,7 @@ def test_revived_cached_blocks_count_against_admission() -> None:
     kv.cache_blocks(first.prompt, prompt, 13)
     kv.free(first.prompt)
     keys = kv.prompt_keys(prompt)
-    computed = kv.get_computed_blocks(keys, len(prompt))
+    computed = kv.get_computed_blocks(keys, prompt)
     assert len(computed.blocks) == 3
     # 4 blocks needed, 3 reused: the one more must come from the free list, not the
     # cached blocks being revived

@@ -14,6 +14,7 @@ import trio
 
 from furnace_trio.core.params import SamplingParams
 from furnace_trio.core.plan import SampledToken
+from furnace_trio.core.tokens import common_prefix
 from furnace_trio.engine import Admitted, Engine, EngineConfig, GenerationRequest
 from furnace_trio.engine.block_pool import BlockPool, block_key, prefix_keys
 from furnace_trio.engine.kv_cache_manager import KVCacheManager
@@ -148,10 +149,72 @@ def test_a_fully_cached_prompt_still_computes_its_last_block() -> None:
     step = s.schedule()
     assert step is not None
     (chunk,) = step.plan.chunks
-    # the last token needs logits, and its block is never written while shared: it is redone
-    assert chunk.start_pos == 4 and len(chunk.samples) == 1
-    assert chunk.block_table[0] == s.kv.pool.match(prefix_keys(prompt, 4))[0]
-    assert chunk.block_table[1] != s.kv.pool.match(prefix_keys(prompt, 4))[1]
+    # the last token needs logits, and its block is never written while shared: the
+    # block's first 3 tokens come from a copy, the last is computed into it
+    assert chunk.start_pos == 7 and chunk.token_ids == (8,) and len(chunk.samples) == 1
+    cached = s.kv.pool.match(prefix_keys(prompt, 4))
+    assert chunk.block_table[0] == cached[0]
+    assert chunk.block_table[1] != cached[1]
+    assert step.plan.block_copies == ((cached[1], chunk.block_table[1]),)
+
+
+def test_a_prompt_sharing_part_of_a_cached_block_copies_it_and_computes_the_rest() -> None:
+    s = make()
+    system = [11, 12, 13, 14, 15, 16]  # one block and a half (blocks of 4)
+    s.add("a", [*system, 21, 22, 23, 24], SamplingParams(max_tokens=2))
+    run_to_end(s)
+    cached = s.kv.pool.match(prefix_keys([*system, 21, 22], 4))
+    assert len(cached) == 2
+    s.add("b", [*system, 31, 32, 33], SamplingParams(max_tokens=2))
+    step = s.schedule()
+    assert step is not None and step.cached_tokens == (6,)
+    (chunk,) = step.plan.chunks
+    assert chunk.start_pos == 6 and chunk.token_ids == (31, 32, 33)
+    assert chunk.block_table[0] == cached[0]  # shared
+    assert chunk.block_table[1] not in cached  # a copy: b writes 31 and 32 into it
+    assert step.plan.block_copies == ((cached[1], chunk.block_table[1]),)
+    # the source was referenced from admission until the plan carried its copy
+    assert s.kv.pool.refcount(cached[1]) == 0 and s.kv.pool.key_of(cached[1]) is not None
+    assert s.kv.prefix_hits == 6
+    run_to_end(s)
+    assert s.kv.pool.num_used == 0 and s.kv.num_reserved == 0
+
+
+def _two_cached_blocks_of_two() -> Scheduler:
+    """A pool of 4 blocks of 2 after a request for [1, 2, 3, 4, 5] left [1, 2] and [3, 4]
+    cached."""
+    s = make(num_blocks=4, block_size=2)
+    s.add("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1))
+    run_to_end(s)
+    return s
+
+
+def test_a_partial_source_is_never_handed_out_before_its_copy_runs() -> None:
+    # "b" reuses [1, 2] and copies one token of [3, 4], needing 3 blocks in all (the copy
+    # among them): admitting it takes every block that is not the source, which must not
+    # be evicted for them
+    s = _two_cached_blocks_of_two()
+    source = s.kv.pool.match(prefix_keys([1, 2, 3, 4], 2))[1]
+    s.add("b", [1, 2, 3, 9], SamplingParams(max_tokens=2))
+    step = s.schedule()
+    assert step is not None and step.cached_tokens == (3,)
+    ((src, dst),) = step.plan.block_copies
+    assert src == source and dst != source
+    assert s.kv.pool.key_of(source) is not None  # still cached, not reallocated
+    run_to_end(s)
+    assert s.kv.pool.num_used == 0 and s.kv.num_reserved == 0
+
+
+def test_a_request_needing_every_block_is_admitted_without_the_copy() -> None:
+    # "b" needs all 4 blocks, so the copy's source (held until the copy runs) would be a
+    # fifth: it reuses the shared full block only, and is admitted
+    s = _two_cached_blocks_of_two()
+    s.add("b", [1, 2, 3, 9], SamplingParams(max_tokens=5))  # 8 positions: 4 blocks
+    step = s.schedule()
+    assert step is not None and step.admitted == ("b",) and step.cached_tokens == (2,)
+    assert step.plan.block_copies == ()
+    run_to_end(s)
+    assert s.kv.pool.num_used == 0 and s.kv.num_reserved == 0
 
 
 def test_admission_counts_revived_blocks_and_reuse_shrinks_the_reservation() -> None:
@@ -177,7 +240,9 @@ def test_n2_children_reuse_the_cached_prompt() -> None:
     run_to_end(s)
     s.add("b", prompt, SamplingParams(max_tokens=3, n=2))
     step = s.schedule()
-    assert step is not None and step.cached_tokens == (8,)
+    # two full blocks, and the first token of a child's third block (9, 10 and two drawn
+    # tokens: full, so cached); the last prompt token is computed
+    assert step is not None and step.cached_tokens == (9,)
     run_to_end(s)
     assert s.kv.pool.num_used == 0
 
@@ -187,6 +252,7 @@ def test_random_workload_with_shared_prefixes_keeps_the_pool_consistent() -> Non
     s = make(num_blocks=24, block_size=4)
     stems = [[rng.randint(1, 50) for _ in range(12)] for _ in range(3)]
     live: set[str] = set()
+    copies = 0  # forks' and partial prefix matches'
     for i in range(400):
         if rng.random() < 0.3:
             params = SamplingParams(max_tokens=rng.randint(1, 8), n=rng.choice([1, 1, 2]))
@@ -199,6 +265,7 @@ def test_random_workload_with_shared_prefixes_keeps_the_pool_consistent() -> Non
         step = s.schedule()
         if step is None:
             continue
+        copies += len(step.plan.block_copies)
         assert s.kv.pool.num_free >= s.kv.num_reserved
         tokens = [
             SampledToken(x.seq_id, rng.choice([0, 5, 6]))
@@ -210,7 +277,7 @@ def test_random_workload_with_shared_prefixes_keeps_the_pool_consistent() -> Non
     for rid in list(live):
         s.abort(rid)
     assert s.kv.pool.num_used == 0 and s.kv.num_reserved == 0
-    assert s.kv.prefix_hits > 0
+    assert s.kv.prefix_hits > 0 and copies > 0
 
 
 # -- the engine, with the scripted runner checking every context -------------------------------
@@ -252,10 +319,12 @@ async def test_repeated_prompt_reports_cached_tokens() -> None:
         stats = engine.statistics()
     admitted = [e for e in first.events + second.events if isinstance(e, Admitted)]
     n = len(encode(PROMPTS[0]))
-    assert [a.cached_tokens for a in admitted] == [0, (n - 1) // 4 * 4]
+    # every prompt token but the last: the first request's last prompt block filled up with
+    # its output and was cached, and the second copies its prompt tokens from it
+    assert [a.cached_tokens for a in admitted] == [0, n - 1]
     assert first.text == second.text
     assert stats.prefix_cache_queries_total == 2 * n
-    assert stats.prefix_cache_hits_total == (n - 1) // 4 * 4
+    assert stats.prefix_cache_hits_total == n - 1
 
 
 async def test_outputs_with_and_without_caching_are_identical() -> None:
@@ -337,18 +406,25 @@ async def _serve(engine: Engine, task: Any) -> Any:
 
 
 async def test_real_model_same_text_with_a_warm_cache() -> None:
-    questions = ["When are you open?", "What is the bread of the day?"]
+    questions = ["What time do you open?", "What is the bread of the day?"]
+    prompts: list[tuple[int, ...]] = []
 
     async def run(engine: Engine) -> list[tuple[str, int]]:
         outs = []
+        prompts.clear()
         for q in questions:
             messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-            outs.append(await generate(engine, chat_ids(engine, messages)))
+            prompts.append(chat_ids(engine, messages))
+            outs.append(await generate(engine, prompts[-1]))
         return outs
 
     warm = await _serve(_real_engine(True), run)
     cold = await _serve(_real_engine(False), run)
-    assert warm[1][1] >= 48 and cold[1][1] == 0  # the system prompt came from the cache
+    # every token the two prompts share came from the cache (the system prompt and the
+    # user turn's header: the shared blocks, then a copy of the block where they part)
+    shared = common_prefix(*prompts)
+    assert shared % 16 and shared > 48  # not a whole number of blocks: a copy's tokens count
+    assert warm[1][1] == shared and cold[1][1] == 0
     assert [t for t, _ in warm] == [t for t, _ in cold]
     assert all(t for t, _ in warm)
 

@@ -7,10 +7,10 @@ Requests wait first come first served in a :class:`WaitingQueue`. A request (its
 (:meth:`WaitingQueue.remove`). The queue counts the samples of its requests (``n`` each):
 what they will run as, and what the engine's ``max_waiting`` limits.
 
-Prefix cache: at admission the prompt's cached prefix (never its last token's block)
-becomes the start of the block table and of ``num_computed_tokens``, so only the rest is
-computed (:func:`allocate`). A prompt whose tokens are scored (``prompt_logprobs``) is
-computed whole. :func:`start_running` then sets the admitted request's sequences running.
+Prefix cache: at admission the prompt's cached prefix (never its last token) becomes the
+start of the block table (shared full blocks, then a copied block whose first tokens it
+shares) and of ``num_computed_tokens``, so only the rest is computed (:func:`allocate`).
+A prompt whose tokens are scored (``prompt_logprobs``) is computed whole. :func:`start_running` then sets the admitted request's sequences running.
 """
 
 from __future__ import annotations
@@ -79,11 +79,14 @@ class WaitingQueue:
 
 def allocate(kv: KVCacheManager, group: Group) -> tuple[RequestBlocks | None, ComputedBlocks]:
     """The request's blocks (``None`` when the KV cache manager has no room for it) and its
-    cached prefix."""
+    cached prefix (without its copied block when only that did not fit)."""
     computed = NO_COMPUTED_BLOCKS
     if group.params.prompt_logprobs is None:  # a scored prompt is computed whole
-        computed = kv.get_computed_blocks(group.prompt_keys, len(group.prompt))
+        computed = kv.get_computed_blocks(group.prompt_keys, group.prompt)
     blocks = kv.allocate_request(group.prompt_keys, len(group.prompt), group.params, computed)
+    if blocks is None and computed.partial is not None:
+        computed = kv.without_partial(computed)
+        blocks = kv.allocate_request(group.prompt_keys, len(group.prompt), group.params, computed)
     return blocks, computed
 
 

@@ -28,6 +28,13 @@ A keyed block is never written again: only *full* blocks get keys, and a sequenc
 writes positions past its last full block. Keys are 16-byte BLAKE2b digests over the
 parent's key and the block's token ids, so a collision (which would silently hand one
 request another's KV) is as unlikely as a cryptographic one; reuse is by exact prefix only.
+
+Partial matches. A keyed block registered with its parent's key and its tokens is also
+indexed under (parent key, first token) (:meth:`match_partial`): a prompt whose next block
+differs from a cached one after a few tokens (the same system message, then another user
+message) reuses those tokens through a copy of that block, as a fork copies its partial
+last block. The index keeps the :data:`PARTIAL_CANDIDATES` most recently registered blocks
+per (parent, first token); evicting a block drops it from the index.
 """
 
 from __future__ import annotations
@@ -38,7 +45,13 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from furnace_trio.core.tokens import common_prefix
+
 BlockKey = bytes
+
+#: Blocks :meth:`BlockPool.match_partial` compares per (parent key, first token): the most
+#: recently registered ones (a bound on the work of one admission).
+PARTIAL_CANDIDATES = 32
 
 
 def block_key(parent: BlockKey | None, token_ids: Sequence[int]) -> BlockKey:
@@ -79,6 +92,8 @@ class BlockPool:
         "_cached",
         "_evictable",
         "_free",
+        "_partial",
+        "_partial_of",
         "_refcounts",
         "block_size",
         "caching",
@@ -100,6 +115,9 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._cached: dict[BlockKey, int] = {}
         self._block_keys: list[BlockKey | None] = [None] * num_blocks
+        # (parent key, first token) -> {block: its tokens}, oldest first; and block -> its entry
+        self._partial: dict[tuple[BlockKey | None, int], OrderedDict[int, tuple[int, ...]]] = {}
+        self._partial_of: dict[int, tuple[BlockKey | None, int]] = {}
         self.evictions = 0
         self.caching = caching  # False: register() keys nothing, so nothing is ever reused
 
@@ -153,6 +171,7 @@ class BlockPool:
                 self._block_keys[block] = None
                 if key is not None:
                     del self._cached[key]
+                self._unindex(block)
                 self.evictions += 1
             self._refcounts[block] = 1
             blocks.append(block)
@@ -200,11 +219,20 @@ class BlockPool:
                 del self._evictable[block]
             self._refcounts[block] += 1
 
-    def register(self, block: int, key: BlockKey) -> bool:
+    def register(
+        self,
+        block: int,
+        key: BlockKey,
+        parent: BlockKey | None = None,
+        token_ids: Sequence[int] = (),
+    ) -> bool:
         """Give a used, full block its key. Whether it is now the key's cached block.
 
         ``False`` when another block holds the key already (two requests computed the same
         prefix at once): that one stays the cached copy, this one is freed normally.
+        With its ``token_ids`` (and ``parent``, the key of the block before it; ``None``
+        for a first block) a newly cached block is also a candidate of
+        :meth:`match_partial`.
         """
         if self._refcounts[block] < 1:
             raise ValueError(f"block {block} is free; only used blocks can be cached")
@@ -219,7 +247,35 @@ class BlockPool:
             return False
         self._cached[key] = block
         self._block_keys[block] = key
+        if token_ids:
+            entry = (parent, token_ids[0])
+            candidates = self._partial.setdefault(entry, OrderedDict())
+            candidates[block] = tuple(token_ids)
+            self._partial_of[block] = entry
+            if len(candidates) > PARTIAL_CANDIDATES:
+                oldest, _ = candidates.popitem(last=False)
+                del self._partial_of[oldest]
         return True
+
+    def match_partial(
+        self, parent: BlockKey | None, token_ids: Sequence[int]
+    ) -> tuple[int, int] | None:
+        """The cached block after ``parent`` (``None``: a first block) whose tokens begin
+        with the longest run of ``token_ids`` (at most a block of them), and that run's
+        length; ``None`` when no candidate shares even the first token. Nothing is
+        referenced."""
+        if not token_ids:
+            return None
+        candidates = self._partial.get((parent, token_ids[0]))
+        if not candidates:
+            return None
+        best, best_len = -1, 0
+        wanted = token_ids[: self.block_size]
+        for block, tokens in candidates.items():
+            n = common_prefix(tokens, wanted)
+            if n > best_len:
+                best, best_len = block, n
+        return best, best_len
 
     def key_of(self, block: int) -> BlockKey | None:
         return self._block_keys[block]
@@ -246,6 +302,14 @@ class BlockPool:
             shared_table = tuple(shared)
         self.incref(shared)
         return Fork(block_table=shared_table, copies=copies)
+
+    def _unindex(self, block: int) -> None:
+        entry = self._partial_of.pop(block, None)
+        if entry is not None:
+            candidates = self._partial[entry]
+            del candidates[block]
+            if not candidates:
+                del self._partial[entry]
 
     def _release(self, block: int) -> None:
         if self._block_keys[block] is not None:

@@ -20,13 +20,20 @@ sequence once admitted can always finish::
 Prefix cache: :meth:`KVCacheManager.get_computed_blocks` finds the longest cached run of a
 prompt's full blocks (by chain key), short of the block that holds the prompt's last
 token, which is always computed (its logits are sampled) and so never written into a
-shared block. Reused blocks need no reservation, but reviving unreferenced ones takes
+shared block. Then, token by token, the cached block after that run whose first tokens
+continue the prompt furthest (:meth:`BlockPool.match_partial
+<furnace_trio.engine.block_pool.BlockPool.match_partial>`; the last prompt token again
+excepted): it is copied into the request's next block, as a fork copies its partial
+block, and the request computes from the first token it does not share. Reused blocks
+need no reservation, but reviving unreferenced ones (a copy's source among them) takes
 them out of the free count that other reservations rely on, so admission counts them.
 After each step :meth:`KVCacheManager.cache_blocks` keys the blocks that became full.
 
 Forks (``n > 1``): a child shares the prompt's full blocks and copies its partial last
-block (:meth:`KVCacheManager.fork`); the copies reach the runner through
-:meth:`KVCacheManager.take_block_copies`, dropped for children freed in the meantime.
+block (:meth:`KVCacheManager.fork`). Those copies and the prefix cache's reach the runner
+through :meth:`KVCacheManager.take_block_copies`, dropped for sequences freed in the
+meantime. A prefix copy's source stays referenced until then: the plan that carries the
+copy runs it before any later schedule could hand the source out again.
 
 Pins (sessions): :meth:`KVCacheManager.pin` takes one reference to each cached block of
 what a finished sequence computed (:class:`KeptKV`); :meth:`KVCacheManager.unpin` drops
@@ -73,10 +80,18 @@ class SeqBlocks:
 
 @dataclass(frozen=True, slots=True)
 class ComputedBlocks:
-    """A prompt's longest cached prefix: its blocks (not yet referenced) and tokens."""
+    """A prompt's longest cached prefix, nothing referenced yet: its full blocks, the cached
+    block whose first tokens continue it (``partial``, copied rather than shared; ``None``
+    when there is none) and the tokens of both."""
 
     blocks: tuple[int, ...]
     num_tokens: int
+    partial: int | None = None
+
+    @property
+    def referenced(self) -> tuple[int, ...]:
+        """The blocks admission references: the shared ones and the copy's source."""
+        return self.blocks if self.partial is None else (*self.blocks, self.partial)
 
 
 NO_COMPUTED_BLOCKS = ComputedBlocks((), 0)
@@ -114,7 +129,8 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = pool.block_size
         self._reserved = 0  # blocks reserved by admitted sequences, not yet allocated
-        self._copies: list[tuple[int, int, SeqBlocks]] = []  # (src, dst, forked child)
+        self._copies: list[tuple[int, int, SeqBlocks]] = []  # (src, dst, the copy's owner)
+        self._copy_sources: list[int] = []  # prefix copies' sources, referenced until taken
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
 
@@ -143,19 +159,32 @@ class KVCacheManager:
     # -- admission --------------------------------------------------------------------------
 
     def get_computed_blocks(
-        self, prompt_keys: Sequence[BlockKey], num_prompt_tokens: int
+        self, prompt_keys: Sequence[BlockKey], prompt: Sequence[int]
     ) -> ComputedBlocks:
-        """The cached blocks of the prompt's longest cached prefix, short of the block of
-        its last token. Nothing is referenced until :meth:`allocate_request`."""
-        usable = (num_prompt_tokens - 1) // self.block_size
-        blocks = self.pool.match(prompt_keys[:usable])
-        return ComputedBlocks(tuple(blocks), len(blocks) * self.block_size)
+        """The prompt's longest cached prefix, short of its last token: full blocks, then
+        a cached block sharing the next tokens. Nothing is referenced until
+        :meth:`allocate_request`."""
+        bs = self.block_size
+        usable = len(prompt) - 1
+        blocks = self.pool.match(prompt_keys[: usable // bs])
+        num_tokens = len(blocks) * bs
+        parent = prompt_keys[len(blocks) - 1] if blocks else None
+        partial = self.pool.match_partial(parent, prompt[num_tokens:usable])
+        if partial is None:
+            return ComputedBlocks(tuple(blocks), num_tokens)
+        source, shared = partial
+        return ComputedBlocks(tuple(blocks), num_tokens + shared, source)
+
+    def without_partial(self, computed: ComputedBlocks) -> ComputedBlocks:
+        """``computed`` short of its copied block: what admission falls back to when the
+        copy's source, held until the copy runs, is the one block too many."""
+        return ComputedBlocks(computed.blocks, len(computed.blocks) * self.block_size)
 
     def shortage(self, num_blocks: int, computed: ComputedBlocks) -> int:
         """Blocks missing to admit a request needing ``num_blocks`` that reuses
-        ``computed`` (``<= 0``: it fits)."""
+        ``computed`` (``<= 0``: it fits). A copied block is one of the request's own."""
         pool = self.pool
-        available = pool.num_free - pool.num_evictable(computed.blocks) - self._reserved
+        available = pool.num_free - pool.num_evictable(computed.referenced) - self._reserved
         return num_blocks - len(computed.blocks) - available
 
     def allocate_request(
@@ -176,8 +205,6 @@ class KVCacheManager:
         last = num_prompt_tokens + params.max_tokens - 1
         pool.acquire(hit)
         prompt = SeqBlocks(prompt_keys, list(hit), list(prompt_keys[: len(hit)]))
-        self.prefix_queries += num_prompt_tokens
-        self.prefix_hits += computed.num_tokens
         samples: tuple[SeqBlocks, ...] = ()
         if params.n == 1:
             prompt.reserved = pool.blocks_for(last) - len(hit)
@@ -186,6 +213,17 @@ class KVCacheManager:
             per_child = pool.blocks_for(last) - num_prompt_tokens // bs
             samples = tuple(SeqBlocks(prompt_keys, reserved=per_child) for _ in range(params.n))
         self._reserved += prompt.reserved + sum(s.reserved for s in samples)
+        if computed.partial is not None:
+            # the copy's source is referenced first, so that allocate() cannot evict it; the
+            # copy is the prompt's next block, from its reservation (at least the last
+            # prompt token's block), which the free blocks cover (shortage above)
+            pool.acquire((computed.partial,))
+            copy = self.allocate_slots(prompt, len(hit) * bs + 1)
+            assert copy, "admission counted the copy's block"
+            self._copies.append((computed.partial, copy[0], prompt))
+            self._copy_sources.append(computed.partial)
+        self.prefix_queries += num_prompt_tokens
+        self.prefix_hits += computed.num_tokens
         return RequestBlocks(prompt, samples, computed.num_tokens)
 
     # -- a running sequence -----------------------------------------------------------------
@@ -226,11 +264,10 @@ class KVCacheManager:
         keys = seq.block_keys
         prompt_keys = seq.prompt_keys
         for i in range(len(keys), num_computed // bs):
-            if i < len(prompt_keys):
-                key = prompt_keys[i]
-            else:
-                key = block_key(keys[i - 1] if i else None, token_ids[i * bs : (i + 1) * bs])
-            self.pool.register(seq.block_table[i], key)
+            parent = keys[i - 1] if i else None
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            key = prompt_keys[i] if i < len(prompt_keys) else block_key(parent, tokens)
+            self.pool.register(seq.block_table[i], key, parent, tokens)
             keys.append(key)
 
     def fork(self, parent: SeqBlocks, child: SeqBlocks, num_tokens: int) -> bool:
@@ -250,12 +287,16 @@ class KVCacheManager:
         return True
 
     def take_block_copies(self) -> tuple[tuple[int, int], ...]:
-        """The (src, dst) copies the next plan runs: forks since the last call whose child
-        still holds its blocks."""
+        """The (src, dst) copies the next plan runs: forks and prefix copies since the last
+        call whose sequence still holds its blocks. Drops the prefix copies' references to
+        their sources (see the module's docstring)."""
         if not self._copies:
             return ()
-        live = tuple((src, dst) for src, dst, child in self._copies if child.block_table)
+        live = tuple((src, dst) for src, dst, owner in self._copies if owner.block_table)
         self._copies.clear()
+        if self._copy_sources:
+            self.pool.free(self._copy_sources)
+            self._copy_sources.clear()
         return live
 
     def free(self, seq: SeqBlocks) -> None:
