@@ -190,17 +190,19 @@ def _two_cached_blocks_of_two() -> Scheduler:
 
 
 def test_a_partial_source_is_never_handed_out_before_its_copy_runs() -> None:
-    # "b" reuses [1, 2] and copies one token of [3, 4], needing 3 blocks in all (the copy
-    # among them): admitting it takes every block that is not the source, which must not
-    # be evicted for them
-    s = _two_cached_blocks_of_two()
-    source = s.kv.pool.match(prefix_keys([1, 2, 3, 4], 2))[1]
-    s.add("b", [1, 2, 3, 9], SamplingParams(max_tokens=2))
+    # 3 blocks of 2, all cached and unreferenced, [1, 2] the least recently used: the next
+    # allocation evicts it, unless it is the source of the copy being admitted
+    s = make(num_blocks=3, block_size=2)
+    s.add("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=1))
+    run_to_end(s)
+    (source,) = s.kv.pool.match(prefix_keys([1, 2], 2))
+    assert s.kv.pool.num_cached == 3 and s.kv.pool.num_unreferenced_cached == 3
+    s.add("b", [1, 9, 9], SamplingParams(max_tokens=1))  # shares the token 1 of [1, 2]
     step = s.schedule()
-    assert step is not None and step.cached_tokens == (3,)
+    assert step is not None and step.cached_tokens == (1,)
     ((src, dst),) = step.plan.block_copies
     assert src == source and dst != source
-    assert s.kv.pool.key_of(source) is not None  # still cached, not reallocated
+    assert s.kv.pool.match(prefix_keys([1, 2], 2)) == [source]  # still cached
     run_to_end(s)
     assert s.kv.pool.num_used == 0 and s.kv.num_reserved == 0
 
