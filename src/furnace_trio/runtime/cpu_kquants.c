@@ -279,6 +279,18 @@ static ALWAYS_INLINE int kq_run(const int type) {
 #endif
 }
 
+/* Every cache line of quad j's codes (one to three) of a K-quant block, ahead bytes on. */
+static ALWAYS_INLINE void kq_prefetch_quad(const int type, const uint8_t *blk, const int j,
+                                           const int64_t ahead) {
+#if VW > 1
+    const int64_t step = kq_code_bytes(type) / 64;
+    for (int64_t l = 0; l < step; l += 64)
+        _mm_prefetch((const char *)blk + j * step + l + ahead, _MM_HINT_T0);
+#else
+    (void)type, (void)blk, (void)j, (void)ahead;
+#endif
+}
+
 /* Quad j of a block against R rows into their runs: the first quad of a run starts them.
  * The codes come unpacked from pre (kq_unpack_first) or are unpacked here. */
 static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, const int vm,
@@ -297,14 +309,9 @@ static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, 
 #endif
             }
     } else {
-#if VW > 1
-        /* every cache line of the quad's codes (one to three), KQ_PREFETCH_BYTES ahead (Q6_K
-         * alone: KQ_PREFETCH_BYTES_Q6, see there; on AVX2 this path is the one-row one) */
-        const int64_t step = kq_code_bytes(type) / 64;
-        const int64_t ahead = type == GG_Q6_K && R == 1 ? KQ_PREFETCH_BYTES_Q6 : KQ_PREFETCH_BYTES;
-        for (int64_t l = 0; l < step; l += 64)
-            _mm_prefetch((const char *)blk + j * step + l + ahead, _MM_HINT_T0);
-#endif
+        /* (Q6_K alone: KQ_PREFETCH_BYTES_Q6, see there; on AVX2 this path is the one-row one) */
+        kq_prefetch_quad(type, blk, j,
+                         type == GG_Q6_K && R == 1 ? KQ_PREFETCH_BYTES_Q6 : KQ_PREFETCH_BYTES);
         kq_codes_of(kq_extra(type), blk, j, vm, wv);
     }
 #pragma GCC unroll 8
@@ -489,12 +496,7 @@ static ALWAYS_INLINE void kq_panel(const int type, const int8_t *a, const void *
             {
                 const vb *codes = kq_unpack_first(type) ? pre : NULL;
                 for (int j = 0; codes && j < QK / 4; j++) {
-#if VW > 1
-                    const int64_t step = kq_code_bytes(type) / 64;
-                    for (int64_t l = 0; l < step; l += 64)
-                        _mm_prefetch((const char *)blk + j * step + l + KQ_PREFETCH_BYTES,
-                                     _MM_HINT_T0);
-#endif
+                    kq_prefetch_quad(type, blk, j, KQ_PREFETCH_BYTES);
                     kq_codes(kq_extra(type), blk, j, pre + j * PV);
                 }
 #define KQ_PASS(vm) kq_super_pass(type, vm, a, act, M, K, g, blk, codes, scv, cp, tot)
