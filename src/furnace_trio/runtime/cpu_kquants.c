@@ -347,8 +347,16 @@ static ALWAYS_INLINE void kq_super_rows(const int type, const int R, const int v
     for (int j0 = 0; j0 < QK / 4; j0 += run) {
         vp part[KQ_ROWS][PV];
         kq_quad(type, 1, R, vm, blk, pre, j0, a, K, part);
+        /* Several rows on AVX2: the run's quads as one straight stretch of code (no loop
+         * branch between the multiplies). One row keeps the loop, which measured faster
+         * there; AVX-512 (not measured unrolled) keeps it too. */
+        if (R > 1 && VW == 8) {
+#pragma GCC unroll 8
+            for (int j = j0 + 1; j < j0 + run; j++) kq_quad(type, 0, R, vm, blk, pre, j, a, K, part);
+        } else {
 #pragma GCC unroll 1
-        for (int j = j0 + 1; j < j0 + run; j++) kq_quad(type, 0, R, vm, blk, pre, j, a, K, part);
+            for (int j = j0 + 1; j < j0 + run; j++) kq_quad(type, 0, R, vm, blk, pre, j, a, K, part);
+        }
         const vi *sc = scv + (j0 / quads) * PV;
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++)
