@@ -180,15 +180,6 @@ def test_a_prompt_sharing_part_of_a_cached_block_copies_it_and_computes_the_rest
     assert s.kv.pool.num_used == 0 and s.kv.num_reserved == 0
 
 
-def _two_cached_blocks_of_two() -> Scheduler:
-    """A pool of 4 blocks of 2 after a request for [1, 2, 3, 4, 5] left [1, 2] and [3, 4]
-    cached."""
-    s = make(num_blocks=4, block_size=2)
-    s.add("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1))
-    run_to_end(s)
-    return s
-
-
 def test_a_partial_source_is_never_handed_out_before_its_copy_runs() -> None:
     # 3 blocks of 2, all cached and unreferenced, [1, 2] the least recently used: the next
     # allocation evicts it, unless it is the source of the copy being admitted
@@ -210,7 +201,9 @@ def test_a_partial_source_is_never_handed_out_before_its_copy_runs() -> None:
 def test_a_request_needing_every_block_is_admitted_without_the_copy() -> None:
     # "b" needs all 4 blocks, so the copy's source (held until the copy runs) would be a
     # fifth: it reuses the shared full block only, and is admitted
-    s = _two_cached_blocks_of_two()
+    s = make(num_blocks=4, block_size=2)
+    s.add("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1))
+    run_to_end(s)  # [1, 2] and [3, 4] stay cached
     s.add("b", [1, 2, 3, 9], SamplingParams(max_tokens=5))  # 8 positions: 4 blocks
     step = s.schedule()
     assert step is not None and step.admitted == ("b",) and step.cached_tokens == (2,)
