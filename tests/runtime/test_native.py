@@ -69,6 +69,29 @@ def test_w8_linear_rows_are_batch_invariant(kernels: native.Kernels) -> None:
             assert torch.equal(out[at], alone[0]), (neighbours, at)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("panels", [0, 1, 2, 7, 64, 301])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_panels_are_shared_out_once_each(
+    kernels: native.Kernels, rows: int, panels: int, threads: int
+) -> None:
+    """Every panel of a linear goes to exactly one thread (a second taking raises)."""
+    owner = kernels.panel_owners(rows, panels, threads)
+    assert owner.tolist() == [o for o in owner.tolist() if 0 <= o < threads]
+    assert len(owner) == panels
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_held_up_thread_share_goes_to_the_others(kernels: native.Kernels, threads: int) -> None:
+    """One row: each thread owns a span of the panels, but a thread that starts only after
+    the others ran out of panels finds its span taken by them: the linear does not wait
+    for it."""
+    owner = kernels.panel_owners(1, 60, threads, hold_first=True).tolist()
+    assert len(owner) == 60
+    assert 0 not in owner
+    assert set(owner) <= set(range(1, threads))
+
+
 def test_native_int8_linear_layer(kernels: native.Kernels) -> None:
     torch.manual_seed(1)
     w = torch.randn(300, 200) * 0.05

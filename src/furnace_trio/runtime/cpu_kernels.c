@@ -285,20 +285,134 @@ int furnace_vector_width(void) { return VW; }
 
 int furnace_w8_panel_width(void) { return PW; }
 
-/* The panels a thread takes at a time, as schedule(dynamic, panel_chunk(M, panels)) of a
- * linear's panel loop inside its parallel region. One row reads its weights from memory:
- * each thread takes one contiguous run of panels, as a static split would give it (a
- * finer split measured 0.86x on the one-row decode step). Several rows are bound by
- * arithmetic: panels go two at a time to threads as they come free, so a core taken by
- * other work (the server's own thread, another process) delays no one. Either way a
- * panel's outputs are one thread's work, the same whichever thread does it. */
-static inline int64_t panel_chunk(int64_t M, int64_t panels) {
+/* The panels of a linear, shared out among the threads of its parallel region
+ * (panel_queue_init before the region, panel_next inside it). One row reads its weights
+ * from memory: each thread owns one contiguous span of panels, as a static split would give
+ * it (one stream through memory per thread; a finer interleaved split measured 0.86x on the
+ * one-row decode step), and takes them front to back; a thread done with its own span takes
+ * panels one at a time from the back of the span with the most left, so a thread delayed by
+ * other work on its core (the server's own thread, another process) does not hold up the
+ * step. Several rows are bound by arithmetic: one span for all, two panels at a time to
+ * threads as they come free. Either way a panel's outputs are one thread's work, the same
+ * whichever thread does it. */
+#define PANEL_SPANS 64
+typedef struct {
+    _Alignas(64) uint64_t range; /* first panel left in the high 32 bits, end in the low 32 */
+} panel_span;
+typedef struct {
+    panel_span span[PANEL_SPANS];
+    int spans;
+    int64_t chunk;
+} panel_queue;
+
+static inline int team_size(void) {
 #ifdef _OPENMP
-    const int64_t threads = omp_get_num_threads();
+    return omp_in_parallel() ? omp_get_num_threads() : omp_get_max_threads();
 #else
-    const int64_t threads = 1;
+    return 1;
 #endif
-    return M == 1 ? (panels + threads - 1) / threads : 2;
+}
+static inline int thread_number(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static inline uint64_t span_range(int64_t first, int64_t end) {
+    return ((uint64_t)first << 32) | (uint64_t)end;
+}
+
+static void panel_queue_init(panel_queue *q, int64_t M, int64_t panels) {
+    int spans = M == 1 ? team_size() : 1;
+    spans = spans < 1 ? 1 : spans > PANEL_SPANS ? PANEL_SPANS : spans;
+    q->spans = spans;
+    q->chunk = M == 1 ? 1 : 2;
+    for (int i = 0; i < spans; i++)
+        q->span[i].range = span_range(panels * i / spans, panels * (i + 1) / spans);
+}
+
+/* Takes up to chunk panels from a span, from its front or its back: their number (0
+ * when the span is empty), the first in *first. */
+static inline int64_t span_take(panel_span *span, int64_t chunk, int back, int64_t *first) {
+    uint64_t old = __atomic_load_n(&span->range, __ATOMIC_RELAXED);
+    for (;;) {
+        const int64_t lo = (int64_t)(old >> 32), hi = (int64_t)(old & 0xffffffffu);
+        if (lo >= hi) return 0;
+        const int64_t n = hi - lo < chunk ? hi - lo : chunk;
+        const uint64_t rest = back ? span_range(lo, hi - n) : span_range(lo + n, hi);
+        if (__atomic_compare_exchange_n(&span->range, &old, rest, 1, __ATOMIC_RELAXED,
+                                         __ATOMIC_RELAXED)) {
+            *first = back ? hi - n : lo;
+            return n;
+        }
+    }
+}
+
+/* The calling thread's next panels: their number (0 when none are left), the first in
+ * *first. Its own span first, then the back of the fullest other one. */
+static int64_t panel_take(panel_queue *q, int64_t *first) {
+    const int own = thread_number() % q->spans;
+    int64_t n = span_take(&q->span[own], q->chunk, 0, first);
+    while (n == 0) {
+        int fullest = -1;
+        int64_t most = 0;
+        for (int i = 0; i < q->spans; i++) {
+            const uint64_t r = __atomic_load_n(&q->span[i].range, __ATOMIC_RELAXED);
+            const int64_t left = (int64_t)(r & 0xffffffffu) - (int64_t)(r >> 32);
+            if (left > most) most = left, fullest = i;
+        }
+        if (fullest < 0) return 0;
+        n = span_take(&q->span[fullest], q->chunk, 1, first);
+    }
+    return n;
+}
+
+/* A thread's panels taken and not yet done. */
+typedef struct {
+    int64_t next, end;
+} panel_cursor;
+
+/* The calling thread's next panel, -1 when none are left. */
+static inline int64_t panel_next(panel_queue *q, panel_cursor *c) {
+    if (c->next == c->end) {
+        int64_t first;
+        const int64_t n = panel_take(q, &first);
+        if (n == 0) return -1;
+        c->next = first;
+        c->end = first + n;
+    }
+    return c->next++;
+}
+
+/* Which thread takes each panel of a linear of M rows (owner[panels]), taken as the linears
+ * take them, by `threads` threads; with hold_first, thread 0 starts only once every other
+ * thread has run out of panels (a thread kept off its core). Returns the number of panels
+ * taken in all, or -1 when one was taken twice. (For tests of the sharing out.) */
+int64_t furnace_panel_owners(int64_t M, int64_t panels, int threads, int hold_first,
+                             int32_t *owner) {
+    for (int64_t p = 0; p < panels; p++) owner[p] = -1;
+    int64_t taken = 0, twice = 0;
+    int finished = 0;
+    panel_queue queue;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp single
+        panel_queue_init(&queue, M, panels);
+        const int t = thread_number();
+        if (hold_first && t == 0)
+            while (__atomic_load_n(&finished, __ATOMIC_ACQUIRE) < team_size() - 1) {
+            }
+        panel_cursor cursor = {0, 0};
+        for (int64_t p; (p = panel_next(&queue, &cursor)) >= 0;) {
+            if (__atomic_exchange_n(&owner[p], t, __ATOMIC_RELAXED) != -1)
+                __atomic_add_fetch(&twice, 1, __ATOMIC_RELAXED);
+            __atomic_add_fetch(&taken, 1, __ATOMIC_RELAXED);
+        }
+        if (t != 0) __atomic_add_fetch(&finished, 1, __ATOMIC_RELEASE);
+    }
+    return twice ? -1 : taken;
 }
 
 /* y[m, n .. n + VW) from one accumulator: scale (when not NULL), bias, bounds. Outside the hot loop, and
@@ -380,11 +494,13 @@ static ALWAYS_INLINE void w8_panel_rows(const float *x, int64_t m0, const int R,
 void furnace_w8_linear(const float *x, int64_t M, int64_t K, const int8_t *wp,
                        const float *scale, const float *bias, int64_t N, float *y) {
     const int64_t panels = (N + PW - 1) / PW;
+    panel_queue queue;
+    panel_queue_init(&queue, M, panels);
 #pragma omp parallel
     {
         float *wf = M > W8_WIDEN_ROWS ? (float *)malloc(sizeof(float) * K * PW) : NULL;
-#pragma omp for schedule(dynamic, panel_chunk(M, panels))
-        for (int64_t p = 0; p < panels; p++) {
+        panel_cursor cursor = {0, 0};
+        for (int64_t p; (p = panel_next(&queue, &cursor)) >= 0;) {
             const int8_t *w = wp + p * K * PW;
             const int64_t n0 = p * PW;
             if (wf) {
@@ -581,13 +697,16 @@ void furnace_qx_linear_q8(int bits, const int8_t *a, const float *s, const float
                           int64_t K, const uint8_t *wp, const float *bias, int64_t N, float *y) {
     const int64_t panels = (N + PW - 1) / PW, groups = K / Q4_GROUP;
     const int64_t block_bytes = bits == 4 ? Q4_BLOCK : Q8_BLOCK;
+    panel_queue queue;
+    panel_queue_init(&queue, M, panels);
 #pragma omp parallel
-#pragma omp for schedule(dynamic, panel_chunk(M, panels))
-    for (int64_t p = 0; p < panels; p++) {
-        const uint8_t *w = wp + p * groups * block_bytes;
-        const int64_t n0 = p * PW;
-        for (int64_t m0 = 0; m0 < M; m0 += Q4_ROWS) {
-            switch (M - m0 < Q4_ROWS ? M - m0 : Q4_ROWS) {
+    {
+        panel_cursor cursor = {0, 0};
+        for (int64_t p; (p = panel_next(&queue, &cursor)) >= 0;) {
+            const uint8_t *w = wp + p * groups * block_bytes;
+            const int64_t n0 = p * PW;
+            for (int64_t m0 = 0; m0 < M; m0 += Q4_ROWS) {
+                switch (M - m0 < Q4_ROWS ? M - m0 : Q4_ROWS) {
 #define QX_CASE(R)                                                                   \
     case R:                                                                          \
         if (bits == 4)                                                               \
@@ -595,17 +714,18 @@ void furnace_qx_linear_q8(int bits, const int8_t *a, const float *s, const float
         else                                                                         \
             qx_panel_rows(8, a, s, sum, m0, R, K, w, n0, N, bias, y);                \
         break;
-                QX_CASE(1)
-                QX_CASE(2)
+                    QX_CASE(1)
+                    QX_CASE(2)
 #if Q4_ROWS > 2
-                QX_CASE(3)
-                QX_CASE(4)
+                    QX_CASE(3)
+                    QX_CASE(4)
 #endif
 #if Q4_ROWS > 4
-                QX_CASE(5)
-                QX_CASE(6)
+                    QX_CASE(5)
+                    QX_CASE(6)
 #endif
 #undef QX_CASE
+                }
             }
         }
     }

@@ -572,6 +572,8 @@ int furnace_kq_linear(int type, const float *x, int64_t M, int64_t K, const uint
     }
     const int64_t panels = (N + PW - 1) / PW, panel_bytes = groups * kq_block_bytes(type);
     int failed = 0;
+    panel_queue queue;
+    panel_queue_init(&queue, M, panels);
 #pragma omp parallel
     {
         float *tot = (float *)malloc(sizeof(float) * M * PW);
@@ -579,8 +581,8 @@ int furnace_kq_linear(int type, const float *x, int64_t M, int64_t K, const uint
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, panel_chunk(M, panels))
-        for (int64_t p = 0; p < panels; p++) {
+        panel_cursor cursor = {0, 0};
+        for (int64_t p; (p = panel_next(&queue, &cursor)) >= 0;) {
             if (!tot) continue;
             memset(tot, 0, sizeof(float) * M * PW);
             const uint8_t *w = wp + p * panel_bytes;

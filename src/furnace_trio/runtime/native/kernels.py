@@ -79,6 +79,22 @@ class Kernels:
         self._kq_packed_size = lib.furnace_kq_packed_size
         self._kq_packed_size.argtypes = [ctypes.c_int, _I, _I]
         self._kq_packed_size.restype = _I
+        self._panel_owners = lib.furnace_panel_owners
+        self._panel_owners.argtypes = [_I, _I, ctypes.c_int, ctypes.c_int, _P]
+        self._panel_owners.restype = _I
+
+    def panel_owners(
+        self, rows: int, panels: int, threads: int, hold_first: bool = False
+    ) -> torch.Tensor:
+        """Which thread takes each of a linear's ``panels`` at ``rows`` rows, shared out among
+        ``threads`` threads as the linear kernels share them (``[panels]`` int32); with
+        ``hold_first`` thread 0 starts only after the others ran out of panels. Raises when
+        a panel was taken twice."""
+        owner = torch.empty(panels, dtype=torch.int32)
+        taken = int(self._panel_owners(rows, panels, threads, int(hold_first), owner.data_ptr()))
+        if taken < 0:
+            raise RuntimeError("a panel was taken by two threads")
+        return owner
 
     def pack_w8(self, q: torch.Tensor) -> torch.Tensor:
         """``[N, K]`` int8 -> the kernel's panels ``[ceil(N / P), K, P]`` (outputs k-major
