@@ -76,9 +76,9 @@ def test_panels_are_shared_out_once_each(
     kernels: native.Kernels, rows: int, panels: int, threads: int
 ) -> None:
     """Every panel of a linear goes to exactly one thread (a second taking raises)."""
-    owner = kernels.panel_owners(rows, panels, threads)
-    assert owner.tolist() == [o for o in owner.tolist() if 0 <= o < threads]
+    owner = kernels.panel_owners(rows, panels, threads).tolist()
     assert len(owner) == panels
+    assert all(0 <= o < threads for o in owner)  # -1: a panel no thread took
 
 
 @pytest.mark.parametrize("threads", [2, 3])
