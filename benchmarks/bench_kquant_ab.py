@@ -145,7 +145,8 @@ def main() -> None:
             for rows in (int(r) for r in args.rows.split(",")):
                 x = rng.standard_normal((rows, k)).astype(np.float32)
                 scratch = np.empty(
-                    libs["old"].furnace_kq_scratch(int(t), rows, k) // 4 + 16, np.float32
+                    max(lib.furnace_kq_scratch(int(t), rows, k) for lib in libs.values()) // 4 + 16,
+                    np.float32,
                 )
                 ys = {name: np.empty((rows, n), np.float32) for name in libs}
                 times: dict[str, list[float]] = {name: [] for name in libs}

@@ -140,6 +140,46 @@ def test_matches_dequantized_reference(kernels: native.Kernels, ggml_type: int) 
     assert torch.allclose(with_bias(x), module(x) + bias, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("ggml_type", K_QUANTS, ids=lambda t: T(t).name)
+@pytest.mark.parametrize("fill", [0x00, 0xFF], ids=["codes-0", "codes-max"])
+def test_k_quant_runs_at_their_bounds(kernels: native.Kernels, ggml_type: int, fill: int) -> None:
+    """Every code at 0 or at its largest, every scale at its largest magnitude and every
+    rounded activation at +-127: the integer runs reach the ends of their range (Q6_K's
+    sub-block sum of x (q - 32) is 32,512 in magnitude per int16 lane), for one row and
+    for register blocks of several."""
+    rng = np.random.default_rng(fill)
+    n, k = 40, 512
+    block, size = GGML_QUANT_SIZES[T(ggml_type)]
+    blocks = np.full((n, k // block, size), fill, dtype=np.uint8)
+    if ggml_type == T.Q6_K:  # ql, qh, then signed scales at -128 or 127, then d
+        blocks[..., 192:208] = rng.choice(
+            np.array([0x80, 0x7F], dtype=np.uint8), (n, k // block, 16)
+        )
+        blocks[..., 208:210] = _f16(rng, (n, k // block), 1e-4, 2e-4)
+    else:  # d, dmin, then 6-bit scales and minimums (all 63 when the bytes are 0xFF)
+        blocks[..., 0:2] = _f16(rng, (n, k // block), 1e-4, 2e-4)
+        blocks[..., 2:4] = _f16(rng, (n, k // block), 1e-4, 2e-4)
+        blocks[..., 4:16] = 0xFF
+    blocks = blocks.reshape(-1)
+    module = linear_from_blocks(blocks, ggml_type, (n, k), None, kernels)
+    assert module is not None
+    signs = [
+        np.ones(k),
+        -np.ones(k),
+        np.resize([1.0, -1.0], k),
+        np.resize([1.0, 1.0, -1.0, -1.0], k),
+    ]
+    x = np.stack([signs[i % 4] * (1 + i) for i in range(9)]).astype(np.float32)
+    w = _dequantize(blocks, ggml_type, n)
+    xq, _ = _round_activations(x, 256)
+    assert np.allclose(np.abs(xq), np.abs(x), rtol=1e-6, atol=0)  # every code +-127
+    want = xq @ w.T
+    scale = np.abs(xq) @ np.abs(w).T
+    for rows in (slice(None), slice(0, 1), slice(3, 4)):  # register blocks; one row
+        got = module(torch.from_numpy(x[rows])).double().numpy()
+        assert np.all(np.abs(got - want[rows]) <= 1e-5 * scale[rows] + 1e-30)
+
+
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: T(t).name)
 def test_rows_are_batch_invariant(kernels: native.Kernels, ggml_type: int) -> None:
     """A row's output alone equals (bitwise) its output in batches of 7 and 33."""

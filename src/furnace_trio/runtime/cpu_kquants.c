@@ -13,20 +13,22 @@
  *
  * Activations: Q4_0 and Q5_0 take Q4_1's (int8 per row and 32 k, scale max|x| / 127), with
  * the rounded activations' sum for the offset term. The K-quants take llama.cpp's Q8_K
- * arrangement: one scale per row and 256 k (max|x| / 127, codes -127..127) and the integer
- * sums of the codes per 16 and per 32 k. One activation scale per super-block lets the
- * 6- or 8-bit weight scales enter the integer sum: the products of a run of quads (vp
- * below: up to a sub-block, as many as int16 holds) are summed per lane, in int16 from
- * vpmaddubsw with vpaddw (in int32 with VNNI's vpdpbusd), and a run meets its sub-block's
- * scale in one vpmaddwd (vpmulld): one multiply per 32 products and a run's one, not two.
- * Per super-block one float update per row and output. The minimums (Q4_K, Q5_K) and the
- * offset 32 (Q6_K) are integer sums of the per-16/32 code sums times the per-output
- * coefficients, also per super-block.
+ * arrangement: one scale per row and 256 k (max|x| / 127, codes -127..127), the integer
+ * sums of the codes per 32 k and, for Q6_K, its runs' starts per 16 k (kq_q6_start). One
+ * activation scale per super-block lets the 6- or 8-bit weight scales enter the integer
+ * sum: the products of a run of quads (vp below: up to a sub-block, as many as int16
+ * holds) are summed per lane, in int16 from vpmaddubsw with vpaddw (in int32 with VNNI's
+ * vpdpbusd), and a run meets its sub-block's scale in one vpmaddwd (vpmulld): one multiply
+ * per 32 products and a run's one, not two.
+ * Per super-block one float update per row and output. The minimums (Q4_K, Q5_K) are an
+ * integer sum of the per-32 code sums times the per-output minimums, also per super-block;
+ * Q6_K's offset 32 enters its runs' starts (kq_q6_start).
  *
- * Bounds (no int16 overflow or saturation, no int32 overflow): a pair sum is at most
- * 2 * 63 * 127 = 16002, a run's int16 sum at most 32,004 (kq_run); times a scale
- * (|sc| <= 128) and summed over a super-block: 256 * 63 * 127 * 128 < 2^31. Every sum is
- * exact, so the result does not depend on how the products are grouped.
+ * Bounds (no saturation, no overflow of a run's int16 sum or of int32): a pair sum is at
+ * most 2 * 63 * 127 = 16002 (vpmaddubsw saturates none), a run's int16 sum at most 32,512
+ * (kq_run; vpaddw wraps, so only the run's sum must fit); times a scale (|sc| <= 128) and
+ * summed over a super-block: 256 * 63 * 127 * 128 < 2^31. Every sum is exact, so the
+ * result does not depend on how the products are grouped.
  *
  * Batch invariance as the other grouped kernels: a row's codes and sums come from that row
  * alone, integer sums are exact, and each (row, output) total is updated once per block in
@@ -100,15 +102,16 @@ static inline vi vi_pairs(vi acc, vi c, const int16_t *b) {
     memcpy(&two, b, 4);
     return _mm512_add_epi32(acc, _mm512_madd_epi16(c, _mm512_set1_epi32(two)));
 }
-static inline vi vi_sub_shl5(vi a, vi b) { return _mm512_sub_epi32(a, _mm512_slli_epi32(b, 5)); }
 #if defined(__AVX512VNNI__)
 #define KQ_RUN32 1
 static inline vi vs_scale(vi c) { return c; }
+static inline vp vp_start(const int32_t *s) { return _mm512_set1_epi32(*s); }
 static inline vp vp_first(vb w, vb x) { return vi_dot4(vi_zero(), w, x); }
 static inline vp vp_dot(vp acc, vb w, vb x) { return vi_dot4(acc, w, x); }
 static inline vi vi_scaled(vi acc, vp p, vi sc) { return _mm512_add_epi32(acc, _mm512_mullo_epi32(p, sc)); }
 #else
 static inline vi vs_scale(vi c) { return vi_pack2(c, c); }
+static inline vp vp_start(const int32_t *s) { return _mm512_set1_epi32(*s); }
 static inline vp vp_first(vb w, vb x) { return _mm512_maddubs_epi16(w, x); }
 static inline vp vp_dot(vp acc, vb w, vb x) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, x)); }
 static inline vi vi_scaled(vi acc, vp p, vi sc) { return _mm512_add_epi32(acc, _mm512_madd_epi16(p, sc)); }
@@ -129,8 +132,8 @@ static inline vi vi_pairs(vi acc, vi c, const int16_t *b) {
     memcpy(&two, b, 4);
     return _mm256_add_epi32(acc, _mm256_madd_epi16(c, _mm256_set1_epi32(two)));
 }
-static inline vi vi_sub_shl5(vi a, vi b) { return _mm256_sub_epi32(a, _mm256_slli_epi32(b, 5)); }
 static inline vi vs_scale(vi c) { return vi_pack2(c, c); }
+static inline vp vp_start(const int32_t *s) { return _mm256_set1_epi32(*s); }
 static inline vp vp_first(vb w, vb x) { return _mm256_maddubs_epi16(w, x); }
 static inline vp vp_dot(vp acc, vb w, vb x) {
     /* In place, as inline asm: GCC otherwise adds into a new register and copies it back
@@ -154,20 +157,34 @@ static inline vi vi_pack2(vi c0, vi c1) { return (int32_t)(((uint32_t)c0 & 0xfff
 static inline vi vi_pairs(vi acc, vi c, const int16_t *b) {
     return acc + (int16_t)(c & 0xffff) * b[0] + (int16_t)((uint32_t)c >> 16) * b[1];
 }
-static inline vi vi_sub_shl5(vi a, vi b) { return a - b * 32; }
 #define KQ_RUN32 1
 static inline vi vs_scale(vi c) { return c; }
+static inline vp vp_start(const int32_t *s) { return *s; }
 static inline vp vp_first(vb w, vb x) { return vi_dot4(0, w, x); }
 static inline vp vp_dot(vp acc, vb w, vb x) { return vi_dot4(acc, w, x); }
 static inline vi vi_scaled(vi acc, vp p, vi sc) { return acc + p * sc; }
 #endif
 
-/* Per row and super-block of 256 k: the activation scale and the code sums per 16 and 32. */
+/* Per row and super-block of 256 k: the activation scale, the start of each Q6_K run
+ * (q6, per 16 k: see kq_q6_start) and the code sums per 32 (b32). */
 typedef struct {
     float s;
-    int16_t b16[QK / 16];
+    int32_t q6[QK / 16];
     int16_t b32[QK / 32];
 } q8k_sums;
+
+/* Where a Q6_K run (a sub-block of 16 k) starts, in a run's lanes (vp_start broadcasts
+ * it): -32 times the sum of the activation codes each lane's products take, so that the
+ * run sums x (q - 32) rather than x q. even: the codes at k = 0, 1 mod 4, odd: at 2, 3.
+ * With int16 runs (vpmaddubsw's pair sums) the low half of a 32-bit lane takes the even
+ * products of its output, the high half the odd ones; with int32 runs a lane takes all. */
+static inline int32_t kq_q6_start(const int even, const int odd) {
+#ifdef KQ_RUN32
+    return -32 * (even + odd);
+#else
+    return (int32_t)(((uint32_t)(-32 * even) & 0xffffu) | ((uint32_t)(-32 * odd) << 16));
+#endif
+}
 
 /* x [M, K] (K a multiple of 256) -> codes a [M, K] and sums [M, K / 256]. */
 void furnace_q8k_rows(const float *x, int64_t M, int64_t K, int8_t *a, q8k_sums *sums) {
@@ -185,12 +202,19 @@ void furnace_q8k_rows(const float *x, int64_t M, int64_t K, int8_t *a, q8k_sums 
         o->s = amax / 127.0f;
         const float inv = amax == 0.0f ? 0.0f : 127.0f / amax;
         for (int j = 0; j < QK; j++) ag[j] = (int8_t)nearbyintf(xg[j] * inv);
-        for (int g = 0; g < QK / 16; g++) {
-            int total = 0;
-            for (int j = 0; j < 16; j++) total += ag[16 * g + j];
-            o->b16[g] = (int16_t)total;
+        for (int u = 0; u < QK / 16; u++) {
+            int even = 0, odd = 0;
+            for (int j = 16 * u; j < 16 * u + 16; j += 4) {
+                even += ag[j] + ag[j + 1];
+                odd += ag[j + 2] + ag[j + 3];
+            }
+            o->q6[u] = kq_q6_start(even, odd);
         }
-        for (int g = 0; g < QK / 32; g++) o->b32[g] = (int16_t)(o->b16[2 * g] + o->b16[2 * g + 1]);
+        for (int g = 0; g < QK / 32; g++) {
+            int total = 0;
+            for (int j = 0; j < 32; j++) total += ag[32 * g + j];
+            o->b32[g] = (int16_t)total;
+        }
     }
 }
 
@@ -268,14 +292,16 @@ static ALWAYS_INLINE void kq_codes(const int extra, const uint8_t *c, const int 
     kq_codes_of(extra, c, j, KQ_ALL, wv);
 }
 
-/* Quads per run (see vp): the most whose int16 pair sums cannot overflow. A pair sum is
- * at most 2 * cmax * 127 (codes up to 15, 31, 63): 8 runs of Q4_K (30,480), 4 of Q5_K
- * (31,496), 2 of Q6_K (32,004). In int32 a run is a whole sub-block. */
+/* Quads per run (see vp): the most whose int16 sums cannot overflow. A pair sum is at
+ * most 2 * cmax * 127 (codes up to 15, 31): 8 quads of Q4_K (30,480), 4 of Q5_K (31,496).
+ * A Q6_K run sums x (q - 32) (kq_q6_start), at most 2 * 32 * 127 a pair: its whole
+ * sub-block of 4 quads (32,512). (vpaddw wraps, so only a run's final sum must fit.) In
+ * int32 a run is a whole sub-block. */
 static ALWAYS_INLINE int kq_run(const int type) {
 #ifdef KQ_RUN32
     return type == GG_Q6_K ? 4 : 8;
 #else
-    return type == GG_Q4_K ? 8 : type == GG_Q5_K ? 4 : 2;
+    return type == GG_Q4_K ? 8 : 4;
 #endif
 }
 
@@ -291,11 +317,13 @@ static ALWAYS_INLINE void kq_prefetch_quad(const int type, const uint8_t *blk, c
 #endif
 }
 
-/* Quad j of a block against R rows into their runs: the first quad of a run starts them.
- * The codes come unpacked from pre (kq_unpack_first) or are unpacked here. */
+/* Quad j of a block against R rows into their runs: the first quad of a run starts them
+ * (a Q6_K run from its rows' kq_q6_start: sums, row stride groups). The codes come
+ * unpacked from pre (kq_unpack_first) or are unpacked here. */
 static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, const int vm,
                                   const uint8_t *blk, const vb *pre, const int j,
-                                  const int8_t *a, int64_t K, vp part[][PV]) {
+                                  const int8_t *a, int64_t K, const q8k_sums *sums,
+                                  int64_t groups, vp part[][PV]) {
     vb wv[PV];
     if (pre) {
 #pragma GCC unroll 4
@@ -319,17 +347,22 @@ static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, 
         const vb xb = vb_set4(a + r * K + 4 * j);
 #pragma GCC unroll 4
         for (int v = 0; v < PV; v++)
-            if (kq_in(v, vm))
-                part[r][v] = first ? vp_first(wv[v], xb) : vp_dot(part[r][v], wv[v], xb);
+            if (kq_in(v, vm)) {
+                if (!first)
+                    part[r][v] = vp_dot(part[r][v], wv[v], xb);
+                else if (type == GG_Q6_K)
+                    part[r][v] = vp_dot(vp_start(&sums[r * groups].q6[j / 4]), wv[v], xb);
+                else
+                    part[r][v] = vp_first(wv[v], xb);
+            }
     }
 }
 
 /* One K-quant super-block against R rows from row 0 of a (codes, row stride K) and sums
  * (row stride groups), into tot (row stride PW), for the outputs of the code vectors in vm
- * (kq_in). scv: the block's scales (vs_scale),
- * [sub-block][PV]; cp: the correction coefficients in pairs (vi_pack2), the minimums of
- * Q4_K and Q5_K ([4][PV], against the sums per 32) or the scales of Q6_K ([8][PV], against
- * the sums per 16). */
+ * (kq_in). scv: the block's scales (vs_scale), [sub-block][PV]; cp: the minimums of Q4_K
+ * and Q5_K in pairs (vi_pack2, [4][PV], against the sums per 32). Q6_K's offset 32 is in
+ * its runs (kq_q6_start), so Q6_K has no correction. */
 static ALWAYS_INLINE void kq_super_rows(const int type, const int R, const int vm,
                                         const uint8_t *blk, const vb *pre, const vi *scv, const vi *cp,
                                         const int8_t *a,
@@ -346,16 +379,18 @@ static ALWAYS_INLINE void kq_super_rows(const int type, const int R, const int v
 #pragma GCC unroll 1
     for (int j0 = 0; j0 < QK / 4; j0 += run) {
         vp part[KQ_ROWS][PV];
-        kq_quad(type, 1, R, vm, blk, pre, j0, a, K, part);
+        kq_quad(type, 1, R, vm, blk, pre, j0, a, K, sums, groups, part);
         /* Several rows on AVX2: the run's quads as one straight stretch of code (no loop
          * branch between the multiplies). One row keeps the loop, which measured faster
          * there; AVX-512 (not measured unrolled) keeps it too. */
         if (R > 1 && VW == 8) {
 #pragma GCC unroll 8
-            for (int j = j0 + 1; j < j0 + run; j++) kq_quad(type, 0, R, vm, blk, pre, j, a, K, part);
+            for (int j = j0 + 1; j < j0 + run; j++)
+                kq_quad(type, 0, R, vm, blk, pre, j, a, K, sums, groups, part);
         } else {
 #pragma GCC unroll 1
-            for (int j = j0 + 1; j < j0 + run; j++) kq_quad(type, 0, R, vm, blk, pre, j, a, K, part);
+            for (int j = j0 + 1; j < j0 + run; j++)
+                kq_quad(type, 0, R, vm, blk, pre, j, a, K, sums, groups, part);
         }
         const vi *sc = scv + (j0 / quads) * PV;
 #pragma GCC unroll 8
@@ -374,17 +409,11 @@ static ALWAYS_INLINE void kq_super_rows(const int type, const int R, const int v
         for (int r = 0; r < R; r++) {
             const q8k_sums *q = sums + r * groups;
             float *t = tot + r * PW + v * VW;
-            vi corr = vi_zero();
-            vf total = v_load(t);
-            if (type == GG_Q6_K) {
-#pragma GCC unroll 8
-                for (int p = 0; p < 8; p++) corr = vi_pairs(corr, cp[p * PV + v], q->b16 + 2 * p);
-                const vi isum = vi_sub_shl5(acc[r][v], corr);
-                total = v_fma(vi_float(isum), v_mul(d, v_set1(q->s)), total);
-            } else {
+            vf total = v_fma(vi_float(acc[r][v]), v_mul(d, v_set1(q->s)), v_load(t));
+            if (type != GG_Q6_K) {
+                vi corr = vi_zero();
 #pragma GCC unroll 4
                 for (int p = 0; p < 4; p++) corr = vi_pairs(corr, cp[p * PV + v], q->b32 + 2 * p);
-                total = v_fma(vi_float(acc[r][v]), v_mul(d, v_set1(q->s)), total);
                 total = v_fma(vi_float(corr), v_mul(dmin, v_set1(-q->s)), total);
             }
             v_store(t, total);
@@ -440,13 +469,12 @@ static ALWAYS_INLINE void kq_block_scales(const int type, const uint8_t *blk, vi
             const vi c = type == GG_Q6_K ? vi_i8(sc + u * PW + v * VW) : vi_u8(sc + u * PW + v * VW);
             scv[u * PV + v] = vs_scale(c);
         }
-    /* Q6_K corrects with its scales, Q4_K and Q5_K with their minimums. */
-    const uint8_t *coef = type == GG_Q6_K ? sc : sc + 8 * PW;
-    for (int p = 0; p < subs / 2; p++)
+    if (type == GG_Q6_K) return;
+    /* Q4_K and Q5_K correct with their minimums. */
+    for (int p = 0; p < 4; p++)
         for (int v = 0; v < PV; v++) {
-            const uint8_t *c0 = coef + 2 * p * PW + v * VW, *c1 = c0 + PW;
-            cp[p * PV + v] = type == GG_Q6_K ? vi_pack2(vi_i8(c0), vi_i8(c1))
-                                             : vi_pack2(vi_u8(c0), vi_u8(c1));
+            const uint8_t *c0 = sc + (8 + 2 * p) * PW + v * VW, *c1 = c0 + PW;
+            cp[p * PV + v] = vi_pack2(vi_u8(c0), vi_u8(c1));
         }
 }
 
@@ -493,7 +521,7 @@ static ALWAYS_INLINE int kq_unpack_first(const int type) {
 static ALWAYS_INLINE void kq_panel(const int type, const int8_t *a, const void *act, int64_t M,
                                    int64_t K, const uint8_t *w, float *tot) {
     const int64_t groups = K / kq_block_k(type), bytes = kq_block_bytes(type);
-    vi scv[16 * PV], cp[8 * PV];
+    vi scv[16 * PV], cp[4 * PV];
     vb pre[QK / 4 * PV]; /* a K-quant block's codes, unpacked (more than one row) */
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = w + g * bytes;
