@@ -31,6 +31,7 @@ static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf v_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf v_abs(vf a) { return _mm512_abs_ps(a); }
 static inline vf v_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline float v_sum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline void v_store(float *p, vf a) { _mm512_storeu_ps(p, a); }
@@ -83,6 +84,7 @@ static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf v_add(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf v_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf v_abs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
 static inline vf v_div(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline void v_store(float *p, vf a) { _mm256_storeu_ps(p, a); }
 static inline vf v_set1(float a) { return _mm256_set1_ps(a); }
@@ -126,6 +128,7 @@ static inline vf v_fma(vf a, vf b, vf c) { return a * b + c; }
 static inline vf v_mul(vf a, vf b) { return a * b; }
 static inline vf v_add(vf a, vf b) { return a + b; }
 static inline vf v_max(vf a, vf b) { return a > b ? a : b; }
+static inline vf v_abs(vf a) { return fabsf(a); }
 static inline vf v_div(vf a, vf b) { return a / b; }
 static inline float v_sum(vf a) { return a; }
 static inline void v_store(float *p, vf a) { *p = a; }

@@ -194,27 +194,26 @@ void furnace_q8k_rows(const float *x, int64_t M, int64_t K, int8_t *a, q8k_sums 
         const float *xg = x + i * QK;
         int8_t *ag = a + i * QK;
         q8k_sums *o = sums + i;
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++) {
-            const float v = fabsf(xg[j]);
-            amax = v > amax ? v : amax;
-        }
+        /* max |x| in VW lanes, then across them (a NaN is passed over, as by a > test) */
+        vf lanes = v_zero();
+        for (int j = 0; j < QK; j += VW) lanes = v_max(v_abs(v_load(xg + j)), lanes);
+        float lane[VW], amax = 0.0f;
+        memcpy(lane, &lanes, sizeof lane);
+        for (int j = 0; j < VW; j++) amax = lane[j] > amax ? lane[j] : amax;
         o->s = amax / 127.0f;
         const float inv = amax == 0.0f ? 0.0f : 127.0f / amax;
         for (int j = 0; j < QK; j++) ag[j] = (int8_t)nearbyintf(xg[j] * inv);
+        int16_t pair[QK / 2]; /* a[2 p] + a[2 p + 1] */
+        for (int p = 0; p < QK / 2; p++) pair[p] = (int16_t)(ag[2 * p] + ag[2 * p + 1]);
+        int even[QK / 16], odd[QK / 16];
         for (int u = 0; u < QK / 16; u++) {
-            int even = 0, odd = 0;
-            for (int j = 16 * u; j < 16 * u + 16; j += 4) {
-                even += ag[j] + ag[j + 1];
-                odd += ag[j + 2] + ag[j + 3];
-            }
-            o->q6[u] = kq_q6_start(even, odd);
+            const int16_t *q = pair + 8 * u;
+            even[u] = q[0] + q[2] + q[4] + q[6];
+            odd[u] = q[1] + q[3] + q[5] + q[7];
+            o->q6[u] = kq_q6_start(even[u], odd[u]);
         }
-        for (int g = 0; g < QK / 32; g++) {
-            int total = 0;
-            for (int j = 0; j < 32; j++) total += ag[32 * g + j];
-            o->b32[g] = (int16_t)total;
-        }
+        for (int g = 0; g < QK / 32; g++)
+            o->b32[g] = (int16_t)(even[2 * g] + odd[2 * g] + even[2 * g + 1] + odd[2 * g + 1]);
     }
 }
 
