@@ -571,6 +571,22 @@ static ALWAYS_INLINE void kq_panel(const int type, const int8_t *a, const void *
     }
 }
 
+/* A panel's totals for M rows (row stride PW) into y [M, N] from output n0 on, plus bias
+ * when not NULL: whole vectors here, a ragged last panel's through w8_store (the same
+ * sums). */
+static void panel_store(const float *tot, int64_t M, int64_t n0, int64_t N, const float *bias,
+                        float *y) {
+    for (int64_t m = 0; m < M; m++)
+        for (int v = 0; v < PV; v++) {
+            const vf t = v_load(tot + m * PW + v * VW);
+            const int64_t n = n0 + v * VW;
+            if (n + VW <= N)
+                v_store(y + m * N + n, bias ? v_add(t, v_load(bias + n)) : t);
+            else
+                w8_store(t, n, N, NULL, bias, y + m * N);
+        }
+}
+
 /* Scratch bytes furnace_kq_linear needs for M rows of K. */
 int64_t furnace_kq_scratch(int type, int64_t M, int64_t K) {
     const int64_t sums = kq_block_k(type) == QK ? M * (K / QK) * (int64_t)sizeof(q8k_sums)
@@ -622,9 +638,7 @@ int furnace_kq_linear(int type, const float *x, int64_t M, int64_t K, const uint
             case GG_Q5_K: kq_panel(GG_Q5_K, a, scratch, M, K, w, tot); break;
             default: kq_panel(GG_Q6_K, a, scratch, M, K, w, tot); break;
             }
-            for (int64_t m = 0; m < M; m++)
-                for (int v = 0; v < PV; v++)
-                    w8_store(v_load(tot + m * PW + v * VW), p * PW + v * VW, N, NULL, bias, y + m * N);
+            panel_store(tot, M, p * PW, N, bias, y);
         }
         free(tot);
     }
