@@ -308,9 +308,10 @@ typedef struct {
     int64_t chunk;
 } panel_queue;
 
-static inline int team_size(void) {
+/* The team a parallel region started here gets. */
+static inline int max_threads(void) {
 #ifdef _OPENMP
-    return omp_in_parallel() ? omp_get_num_threads() : omp_get_max_threads();
+    return omp_get_max_threads();
 #else
     return 1;
 #endif
@@ -327,8 +328,9 @@ static inline uint64_t span_range(int64_t first, int64_t end) {
     return ((uint64_t)first << 32) | (uint64_t)end;
 }
 
-static void panel_queue_init(panel_queue *q, int64_t M, int64_t panels) {
-    int spans = M == 1 ? team_size() : 1;
+/* For M rows of `panels` panels, shared out among a team of `threads`. */
+static void panel_queue_init(panel_queue *q, int64_t M, int64_t panels, int threads) {
+    int spans = M == 1 ? threads : 1;
     spans = spans < 1 ? 1 : spans > PANEL_SPANS ? PANEL_SPANS : spans;
     q->spans = spans;
     q->chunk = M == 1 ? 1 : 2;
@@ -399,13 +401,17 @@ int64_t furnace_panel_owners(int64_t M, int64_t panels, int threads, int hold_fi
     int64_t taken = 0, twice = 0;
     int finished = 0;
     panel_queue queue;
+    panel_queue_init(&queue, M, panels, threads);
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp single
-        panel_queue_init(&queue, M, panels);
         const int t = thread_number();
+#ifdef _OPENMP
+        const int team = omp_get_num_threads(); /* (fewer than threads under OMP_DYNAMIC) */
+#else
+        const int team = 1;
+#endif
         if (hold_first && t == 0)
-            while (__atomic_load_n(&finished, __ATOMIC_ACQUIRE) < team_size() - 1) {
+            while (__atomic_load_n(&finished, __ATOMIC_ACQUIRE) < team - 1) {
             }
         panel_cursor cursor = {0, 0};
         for (int64_t p; (p = panel_next(&queue, &cursor)) >= 0;) {
@@ -498,7 +504,7 @@ void furnace_w8_linear(const float *x, int64_t M, int64_t K, const int8_t *wp,
                        const float *scale, const float *bias, int64_t N, float *y) {
     const int64_t panels = (N + PW - 1) / PW;
     panel_queue queue;
-    panel_queue_init(&queue, M, panels);
+    panel_queue_init(&queue, M, panels, max_threads());
 #pragma omp parallel
     {
         float *wf = M > W8_WIDEN_ROWS ? (float *)malloc(sizeof(float) * K * PW) : NULL;
@@ -581,6 +587,17 @@ int furnace_q4_group(void) { return Q4_GROUP; }
 #define Q8_QUAD_BYTES (4 * PW)
 #define Q8_BLOCK (Q4_GROUP / 4 * Q8_QUAD_BYTES + 2 * PW)
 
+/* max |x[j]| over n floats (n a multiple of VW): per vector lane, then across the lanes; a
+ * NaN is passed over, as by a > test. */
+static inline float abs_max(const float *x, int n) {
+    vf lanes = v_zero();
+    for (int j = 0; j < n; j += VW) lanes = v_max(v_abs(v_load(x + j)), lanes);
+    float lane[VW], amax = 0.0f;
+    memcpy(lane, &lanes, sizeof lane);
+    for (int j = 0; j < VW; j++) amax = lane[j] > amax ? lane[j] : amax;
+    return amax;
+}
+
 /* Per row and group of x [M, K]: codes a [M, K], scale s and sum [M, K / Q4_GROUP]: the exact
  * sum of the group's x, or with rounded_sum s times the sum of its codes (what an offset
  * term multiplied with the rounded activations needs: Q4_0's and Q5_0's, as ggml's). */
@@ -591,12 +608,9 @@ static void q8_rows(const float *x, int64_t M, int64_t K, int8_t *a, float *s, f
     for (int64_t i = 0; i < n; i++) {
         const float *xg = x + i * Q4_GROUP;
         int8_t *ag = a + i * Q4_GROUP;
-        float amax = 0.0f, total = 0.0f;
-        for (int j = 0; j < Q4_GROUP; j++) {
-            const float v = fabsf(xg[j]);
-            amax = v > amax ? v : amax;
-            total += xg[j];
-        }
+        const float amax = abs_max(xg, Q4_GROUP);
+        float total = 0.0f;
+        for (int j = 0; j < Q4_GROUP; j++) total += xg[j];
         sum[i] = total;
         if (amax == 0.0f) {
             s[i] = 0.0f;
@@ -701,7 +715,7 @@ void furnace_qx_linear_q8(int bits, const int8_t *a, const float *s, const float
     const int64_t panels = (N + PW - 1) / PW, groups = K / Q4_GROUP;
     const int64_t block_bytes = bits == 4 ? Q4_BLOCK : Q8_BLOCK;
     panel_queue queue;
-    panel_queue_init(&queue, M, panels);
+    panel_queue_init(&queue, M, panels, max_threads());
 #pragma omp parallel
     {
         panel_cursor cursor = {0, 0};

@@ -194,12 +194,7 @@ void furnace_q8k_rows(const float *x, int64_t M, int64_t K, int8_t *a, q8k_sums 
         const float *xg = x + i * QK;
         int8_t *ag = a + i * QK;
         q8k_sums *o = sums + i;
-        /* max |x| in VW lanes, then across them (a NaN is passed over, as by a > test) */
-        vf lanes = v_zero();
-        for (int j = 0; j < QK; j += VW) lanes = v_max(v_abs(v_load(xg + j)), lanes);
-        float lane[VW], amax = 0.0f;
-        memcpy(lane, &lanes, sizeof lane);
-        for (int j = 0; j < VW; j++) amax = lane[j] > amax ? lane[j] : amax;
+        const float amax = abs_max(xg, QK);
         o->s = amax / 127.0f;
         const float inv = amax == 0.0f ? 0.0f : 127.0f / amax;
         for (int j = 0; j < QK; j++) ag[j] = (int8_t)nearbyintf(xg[j] * inv);
@@ -618,7 +613,7 @@ int furnace_kq_linear(int type, const float *x, int64_t M, int64_t K, const uint
     const int64_t panels = (N + PW - 1) / PW, panel_bytes = groups * kq_block_bytes(type);
     int failed = 0;
     panel_queue queue;
-    panel_queue_init(&queue, M, panels);
+    panel_queue_init(&queue, M, panels, max_threads());
 #pragma omp parallel
     {
         float *tot = (float *)malloc(sizeof(float) * M * PW);
