@@ -299,16 +299,13 @@ static ALWAYS_INLINE int kq_run(const int type) {
 #endif
 }
 
-/* Every cache line of quad j's codes (one to three) of a K-quant block, ahead bytes on. */
+/* Every cache line of quad j's codes (one to three) of a K-quant block, ahead bytes on,
+ * into L2 (weight_prefetch): a block's codes come from memory once, into the unpacked
+ * buffer or the first pass over them. */
 static ALWAYS_INLINE void kq_prefetch_quad(const int type, const uint8_t *blk, const int j,
                                            const int64_t ahead) {
-#if VW > 1
     const int64_t step = kq_code_bytes(type) / 64;
-    for (int64_t l = 0; l < step; l += 64)
-        _mm_prefetch((const char *)blk + j * step + l + ahead, _MM_HINT_T0);
-#else
-    (void)type, (void)blk, (void)j, (void)ahead;
-#endif
+    for (int64_t l = 0; l < step; l += 64) weight_prefetch(blk + j * step + l + ahead, 1);
 }
 
 /* Quad j of a block against R rows into their runs: the first quad of a run starts them
@@ -425,10 +422,7 @@ static ALWAYS_INLINE void kq_group_rows(const int type, const int R, const uint8
     acc_zero(acc, R);
 #pragma GCC unroll 2
     for (int j = 0; j < Q4_GROUP / 4; j++) {
-#if VW > 1
-        if ((j & 1) == 0)
-            _mm_prefetch((const char *)blk + j * 64 + W8_PREFETCH_BYTES, _MM_HINT_T0);
-#endif
+        if ((j & 1) == 0) weight_prefetch(blk + j * 64 + W8_PREFETCH_BYTES, R == 1);
         vb wv[PV];
         kq_codes(extra, blk, j, wv);
 #pragma GCC unroll 8
