@@ -60,11 +60,12 @@ enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K
 #ifndef KQ_VECS
 #define KQ_VECS 2
 #endif
-/* The blocks' codes are prefetched this many bytes ahead (about one Q6_K or two Q4_K
- * blocks of a panel): on the one-row decode further than the int8 kernels' distance keeps
- * more of the memory bandwidth busy. */
+/* The blocks are prefetched this many bytes ahead (about one Q6_K or two Q4_K blocks of a
+ * panel, so twice as far on AVX-512, whose panels are twice as wide: with 8 KiB there a
+ * block's scales, read before its codes, came late; docs/benchmarks.md): on the one-row
+ * decode further than the int8 kernels' distance keeps more of the memory bandwidth busy. */
 #ifndef KQ_PREFETCH_BYTES
-#define KQ_PREFETCH_BYTES 8192
+#define KQ_PREFETCH_BYTES (256 * PW)
 #endif
 /* Q6_K's one-row pass prefetches twice as far: its codes take the most unpacking per byte,
  * and with KQ_PREFETCH_BYTES a one-row call read 3% to 8% slower (Zen 3; docs/benchmarks.md).
@@ -299,12 +300,11 @@ static ALWAYS_INLINE int kq_run(const int type) {
 #endif
 }
 
-/* Quad j's share of a K-quant block's bytes (a 64th: its codes and the scales after
- * them), ahead bytes on, every cache line it touches, into L2 (weight_prefetch): the
- * panel is one stream, read once from memory (into the unpacked buffer or by the first
- * pass over a block), and a block's scales, read before its codes, are fetched with the
- * codes before them however far ahead (a distance shorter than a block, 9 KiB on
- * AVX-512, leaves them to a demand miss if only codes are prefetched). */
+/* Quad j's share of a K-quant block's bytes (a 64th: codes and the scales after them),
+ * ahead bytes on, every cache line it touches, into L2 (weight_prefetch): the panel is one
+ * stream, read once from memory (into the unpacked buffer or by the first pass over a
+ * block). With ahead at least a block, a block's scales, read before its codes, arrive
+ * during the block before it. */
 static ALWAYS_INLINE void kq_prefetch_quad(const int type, const uint8_t *blk, const int j,
                                            const int64_t ahead) {
     const int64_t step = kq_block_bytes(type) / (QK / 4);
