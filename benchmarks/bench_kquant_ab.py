@@ -136,12 +136,15 @@ def main() -> None:
         )
         for t, n, k in CASES:
             blocks = random_blocks(t, n, k, rng, 1.0 / np.sqrt(k))
-            size = libs["old"].furnace_kq_packed_size(int(t), n, k)
             # Copies enough to overflow the caches, called in turn: one row reads its
-            # weight from memory, as a model's decode step does.
-            copies = [np.empty(size, dtype=np.uint8) for _ in range(-(-COPY_BYTES // size))]
-            for packed in copies:
-                assert libs["old"].furnace_kq_pack(int(t), ptr(blocks), n, k, ptr(packed)) == 0
+            # weight from memory, as a model's decode step does. Each build packs its own
+            # (builds of different widths lay out their panels differently).
+            copies: dict[str, list[np.ndarray]] = {}
+            for name, lib in libs.items():
+                size = lib.furnace_kq_packed_size(int(t), n, k)
+                copies[name] = [np.empty(size, np.uint8) for _ in range(-(-COPY_BYTES // size))]
+                for packed in copies[name]:
+                    assert lib.furnace_kq_pack(int(t), ptr(blocks), n, k, ptr(packed)) == 0
             for rows in (int(r) for r in args.rows.split(",")):
                 x = rng.standard_normal((rows, k)).astype(np.float32)
                 scratch = np.empty(
@@ -152,11 +155,11 @@ def main() -> None:
                 times: dict[str, list[float]] = {name: [] for name in libs}
                 turn = itertools.count()
                 for name, lib in libs.items():  # warm: first touch, thread start
-                    run(lib, t, x, rows, k, copies[0], n, ys[name], scratch)
+                    run(lib, t, x, rows, k, copies[name][0], n, ys[name], scratch)
                 for i in range(args.rounds):
                     order = list(libs.items())
                     for name, lib in order if i % 2 else order[::-1]:
-                        packed = copies[next(turn) % len(copies)]
+                        packed = copies[name][next(turn) % len(copies[name])]
                         start = time.perf_counter()
                         run(lib, t, x, rows, k, packed, n, ys[name], scratch)
                         times[name].append(time.perf_counter() - start)
