@@ -200,8 +200,14 @@ def test_rows_are_batch_invariant(kernels: native.Kernels, ggml_type: int) -> No
 
 @pytest.mark.parametrize(
     "flags",
-    [("-DKQ_VECS=1",), ("-DKQ_VECS=4", "-DKQ_ROWS=2"), ("-DKQ_ROWS=3",)],
-    ids=["one-vector", "whole-panel", "three-rows"],
+    [
+        ("-DKQ_VECS=1",),
+        ("-DKQ_VECS=4", "-DKQ_ROWS=2"),
+        ("-DKQ_ROWS=3",),
+        ("-DKQ_ROWS=4",),
+        ("-DKQ_ROWS=6",),
+    ],
+    ids=["one-vector", "whole-panel", "three-rows", "four-rows", "six-rows"],
 )
 def test_k_quant_register_blockings_agree(flags: tuple[str, ...]) -> None:
     """The K-quant kernels' other register blockings (``-D`` switches for measurements)

@@ -33,6 +33,33 @@ def test_build_is_cached_per_machine() -> None:
     assert native.load(extra_flags=("-march=x86-64",)) is not kernels
 
 
+def test_tuning_flags_per_cpu() -> None:
+    """Four-row K-quant register blocks on AMD's AVX-512 only; the build key has them."""
+    amd = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n"
+    assert library.tuning_flags_for(amd) == ("-DKQ_ROWS=4",)
+    assert library.tuning_flags_for(amd.replace(" avx512f", "")) == ()  # Zen 3: AVX2
+    assert library.tuning_flags_for(amd.replace("AuthenticAMD", "GenuineIntel")) == ()
+    assert library.tuning_flags_for("") == ()
+    assert library.tuning_flags() == library.tuning_flags_for(Path("/proc/cpuinfo").read_text())
+
+
+def test_tuning_flags_reach_the_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build passes the CPU's tuning switches, before the config's own flags."""
+    seen: list[tuple[str, ...]] = []
+    build = library._build
+
+    def spy(compiler: str, flags: tuple[str, ...], target: Path) -> None:
+        seen.append(flags)
+        build(compiler, flags, target)
+
+    monkeypatch.setattr(library, "tuning_flags", lambda: ("-DKQ_ROWS=3",))
+    monkeypatch.setattr(library, "_build", spy)
+    kernels = native.load(NativeConfig(cache_dir=tmp_path, flags=("-DKQ_VECS=4",)))
+    assert kernels is not None
+    (flags,) = seen
+    assert flags.index("-DKQ_ROWS=3") < flags.index("-DKQ_VECS=4")
+
+
 def test_flags_from_the_config() -> None:
     """The config's flags pick the build (here the plain-C one)."""
     kernels = native.load(NativeConfig(flags=("-march=x86-64",)))
