@@ -447,19 +447,21 @@ static __attribute__((noinline)) void w8_store(vf acc, int64_t n, int64_t N, con
 /* Panel k-rows are prefetched this many bytes ahead: the hardware prefetcher alone
  * leaves a good part of the bandwidth unused on the single-stream decode. */
 #define W8_PREFETCH_BYTES 2048
-/* A software prefetch of weight bytes. Lines a pass reads once (one row, or a panel
- * widened once) go to L2 (T2): the core's L1 prefetcher takes them on from there, and
- * prefetches into L1 hold its few miss buffers for a whole trip to memory (on Zen 4 the
- * one-row calls ran 1.2x to 1.5x faster than with T0; docs/benchmarks.md). Lines the
- * next register blocks of rows read again go to L1 (T0). */
-static ALWAYS_INLINE void weight_prefetch(const void *p, const int once) {
+/* A software prefetch of weight bytes, into L2 (T2, to_l2) or L1 (T0). The 4-bit group
+ * and K-quant passes that read their lines once (one row; a K-quant block's first pass)
+ * prefetch into L2: the core's L1 prefetcher takes the lines on from there, and prefetches
+ * into L1 hold its few miss buffers for a whole trip to memory (on Zen 4 one-row K-quant
+ * calls ran 1.2x to 1.5x faster than with T0). Lines that the next register blocks read
+ * again go to L1, and so do the int8 kernels' (there T2 measured 0.82x on Zen 4's one-row
+ * step; docs/benchmarks.md). */
+static ALWAYS_INLINE void weight_prefetch(const void *p, const int to_l2) {
 #if VW > 1
-    if (once)
+    if (to_l2)
         _mm_prefetch((const char *)p, _MM_HINT_T2);
     else
         _mm_prefetch((const char *)p, _MM_HINT_T0);
 #else
-    (void)p, (void)once;
+    (void)p, (void)to_l2;
 #endif
 }
 
@@ -488,7 +490,7 @@ static ALWAYS_INLINE void w8_panel_rows(const float *x, int64_t m0, const int R,
         } else {
             const int8_t *wk = w + k * PW;
 #if VW > 1
-            weight_prefetch(wk + W8_PREFETCH_BYTES, R == 1);
+            weight_prefetch(wk + W8_PREFETCH_BYTES, 0);
 #endif
 #pragma GCC unroll 4
             for (int v = 0; v < PV; v++) wv[v] = v_i8(wk + v * VW);
@@ -529,7 +531,7 @@ void furnace_w8_linear(const float *x, int64_t M, int64_t K, const int8_t *wp,
             const int64_t n0 = p * PW;
             if (wf) {
                 for (int64_t i = 0; i < K * PW; i += VW) {
-                    if ((i & 63) == 0) weight_prefetch(w + i + W8_PREFETCH_BYTES, 1);
+                    if ((i & 63) == 0) weight_prefetch(w + i + W8_PREFETCH_BYTES, 0);
                     v_store(wf + i, v_i8(w + i));
                 }
             }
