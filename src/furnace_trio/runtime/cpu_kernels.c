@@ -489,9 +489,7 @@ static ALWAYS_INLINE void w8_panel_rows(const float *x, int64_t m0, const int R,
             for (int v = 0; v < PV; v++) wv[v] = v_load(wf + k * PW + v * VW);
         } else {
             const int8_t *wk = w + k * PW;
-#if VW > 1
             weight_prefetch(wk + W8_PREFETCH_BYTES, 0);
-#endif
 #pragma GCC unroll 4
             for (int v = 0; v < PV; v++) wv[v] = v_i8(wk + v * VW);
         }
@@ -673,10 +671,8 @@ static ALWAYS_INLINE void qx_panel_rows(const int bits, const int8_t *a, const f
 #pragma GCC unroll 1
         for (int j = 0; j < Q4_GROUP / 4; j++) {
             const uint8_t *c = block + j * quad_bytes;
-#if VW > 1
             for (int64_t b = 0; b < quad_bytes; b += 64)
                 weight_prefetch(c + W8_PREFETCH_BYTES + b, R == 1);
-#endif
             vb wv[PV], qv[PV];
             if (bits == 4) {
 #pragma GCC unroll 2
