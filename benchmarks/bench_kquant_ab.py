@@ -1,8 +1,9 @@
 """A/B of the GGUF block linears: this tree's kernels against a git revision's, one process.
 
-Both ``cpu_kernels.c`` builds (the working tree's and ``--base``'s, compiled with the same
-flags into a temporary directory) are loaded side by side through ctypes and called on the
-same packed weights (random valid blocks) and inputs, call by call alternating: on shared
+Both ``cpu_kernels.c`` builds (the working tree's and ``--base``'s, compiled with the
+server's flags for this CPU into a temporary directory) are loaded side by side through
+ctypes and called on the same weights (random valid blocks, each build packing its own
+copies) and inputs, call by call alternating: on shared
 cores only ratios measured this way mean anything. One row reads its weight from memory
 (copies of 160 MiB in all, called in turn), as a model's decode step does. Shapes are the
 1B Llama's (out x in): q/o 2048x2048, gate/up fused 16384x2048, down 2048x8192 and the
@@ -34,6 +35,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from runtime.test_blocks import random_blocks  # noqa: E402
 
+from furnace_trio.runtime.native import library  # noqa: E402
+
 RUNTIME = "src/furnace_trio/runtime"
 SOURCES = ("cpu_kernels.c", "cpu_kquants.c", "cpu_repack.c")
 CASES = [
@@ -44,7 +47,8 @@ CASES = [
     (T.Q6_K, 49152, 2048),
 ]
 COPY_BYTES = 160 << 20
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# The server's flags for this CPU (its tuning too: -DKQ_ROWS=4 on AMD's AVX-512).
+FLAGS = [*library.FLAGS, *library.tuning_flags()]
 
 
 def build(directory: Path, name: str, flags: list[str]) -> ctypes.CDLL:
