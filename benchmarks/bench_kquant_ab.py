@@ -33,9 +33,8 @@ from gguf import GGMLQuantizationType as T
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from runtime.test_blocks import random_blocks  # noqa: E402
-
 from furnace_trio.runtime.native import library  # noqa: E402
+from runtime.test_blocks import random_blocks  # noqa: E402
 
 RUNTIME = "src/furnace_trio/runtime"
 SOURCES = ("cpu_kernels.c", "cpu_kquants.c", "cpu_repack.c")
