@@ -88,11 +88,19 @@ def cache_dir(config: NativeConfig = DEFAULT_NATIVE_CONFIG) -> Path:
 
 
 @functools.cache
+def _cpuinfo() -> str | None:
+    """``/proc/cpuinfo``'s text, read once per process; ``None`` where there is none."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+
+
+@functools.cache
 def _cpu_identity() -> str:
     """What ``-march=native`` depends on: the CPU model and its feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    text = _cpuinfo()
+    if text is None:
         return platform.processor() or platform.machine()
     keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
     return "\n".join(sorted(set(keep)))
@@ -112,13 +120,9 @@ def tuning_flags_for(cpuinfo: str) -> tuple[str, ...]:
     return ()
 
 
-@functools.cache
 def tuning_flags() -> tuple[str, ...]:
-    """:func:`tuning_flags_for` this machine, asked once per process."""
-    try:
-        return tuning_flags_for(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return ()
+    """:func:`tuning_flags_for` this machine."""
+    return tuning_flags_for(_cpuinfo() or "")
 
 
 def _compiler(config: NativeConfig) -> str | None:
