@@ -302,15 +302,24 @@ static ALWAYS_INLINE int kq_run(const int type) {
 }
 
 /* Quad j's share of a K-quant block's bytes (a 64th: codes and the scales after them),
- * ahead bytes on, every cache line it touches, into L2 (weight_prefetch): the panel is one
- * stream, read once from memory (into the unpacked buffer or by the first pass over a
- * block). With ahead at least a block, a block's scales, read before its codes, arrive
- * during the block before it. */
+ * ahead bytes on, into L2 (weight_prefetch): the panel is one stream, read once from
+ * memory (into the unpacked buffer or by the first pass over a block). With ahead at least
+ * a block, a block's scales, read before its codes, arrive during the block before it.
+ * exact: every cache line the share touches, in a loop whose count varies from quad to
+ * quad; otherwise a fixed count, one a 64 bytes from the share's start, no branch (the
+ * line it ends in is its successor's first). The passes of several rows, each register
+ * block of a block prefetching again, take the fixed count: there the loop's branches
+ * cost 1.4x to 1.6x at 16 rows of Q4_K (Zen 5; docs/benchmarks.md). */
 static ALWAYS_INLINE void kq_prefetch_quad(const int type, const uint8_t *blk, const int j,
-                                           const int64_t ahead) {
+                                           const int64_t ahead, const int exact) {
     const int64_t step = kq_block_bytes(type) / (QK / 4);
-    const uintptr_t from = (uintptr_t)(blk + j * step + ahead);
-    for (uintptr_t l = from & ~(uintptr_t)63; l < from + step; l += 64)
+    const uint8_t *from = blk + j * step + ahead;
+    if (!exact) {
+#pragma GCC unroll 4
+        for (int64_t o = 0; o < step; o += 64) weight_prefetch(from + o, 1);
+        return;
+    }
+    for (uintptr_t l = (uintptr_t)from & ~(uintptr_t)63; l < (uintptr_t)from + step; l += 64)
         weight_prefetch((const void *)l, 1);
 }
 
@@ -336,7 +345,8 @@ static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, 
     } else {
         /* (Q6_K alone: KQ_PREFETCH_BYTES_Q6, see there; on AVX2 this path is the one-row one) */
         kq_prefetch_quad(type, blk, j,
-                         type == GG_Q6_K && R == 1 ? KQ_PREFETCH_BYTES_Q6 : KQ_PREFETCH_BYTES);
+                         type == GG_Q6_K && R == 1 ? KQ_PREFETCH_BYTES_Q6 : KQ_PREFETCH_BYTES,
+                         R == 1);
         kq_codes_of(kq_extra(type), blk, j, vm, wv);
     }
 #pragma GCC unroll 8
@@ -528,7 +538,7 @@ static ALWAYS_INLINE void kq_panel(const int type, const int8_t *a, const void *
             {
                 const vb *codes = kq_unpack_first(type) ? pre : NULL;
                 for (int j = 0; codes && j < QK / 4; j++) {
-                    kq_prefetch_quad(type, blk, j, KQ_PREFETCH_BYTES);
+                    kq_prefetch_quad(type, blk, j, KQ_PREFETCH_BYTES, 1);
                     kq_codes(kq_extra(type), blk, j, pre + j * PV);
                 }
 #define KQ_PASS(vm) kq_super_pass(type, vm, a, act, M, K, g, blk, codes, scv, cp, tot)
