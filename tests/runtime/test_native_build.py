@@ -34,9 +34,14 @@ def test_build_is_cached_per_machine() -> None:
 
 
 def test_tuning_flags_per_cpu() -> None:
-    """Four-row K-quant register blocks on AMD's AVX-512 only; the build key has them."""
-    amd = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n"
-    assert library.tuning_flags_for(amd) == ("-DKQ_ROWS=4",)
+    """Four-row K-quant register blocks on AMD's AVX-512 only, against the whole panel from
+    Zen 5 (family 26) on."""
+    amd = "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n"
+    assert library.tuning_flags_for(amd) == ("-DKQ_ROWS=4",)  # Zen 4
+    zen5 = amd.replace(": 25", ": 26")
+    assert library.tuning_flags_for(zen5) == ("-DKQ_ROWS=4", "-DKQ_VECS=4")
+    assert library.tuning_flags_for(zen5.replace(" avx512f", "")) == ()
+    assert library.tuning_flags_for(amd.replace("cpu family\t: 25\n", "")) == ("-DKQ_ROWS=4",)
     assert library.tuning_flags_for(amd.replace(" avx512f", "")) == ()  # Zen 3: AVX2
     assert library.tuning_flags_for(amd.replace("AuthenticAMD", "GenuineIntel")) == ()
     assert library.tuning_flags_for("") == ()

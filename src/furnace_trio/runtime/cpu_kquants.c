@@ -48,9 +48,10 @@ enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K
  * pass over a block covers: four rows against half a panel (a nibble half: 2 code
  * vectors) on AVX2 (8 run sums, the 2 code vectors and a broadcast in 16 registers; the
  * 8 totals go to memory once per run), six on AVX-512 (24 of its 32; the build takes
- * four on AMD's, native/library.py's tuning_flags); one row alone
- * against the whole panel. (Overridable with -D for measurements; on Zen 3 one code
- * vector a pass, or two rows against the whole panel, measured slower.) */
+ * four on AMD's, and from Zen 5 on four against the whole panel, 16 run sums with the
+ * totals partly in memory: native/library.py's tuning_flags); one row alone against the
+ * whole panel. (Overridable with -D for measurements; on Zen 3 one code vector a pass,
+ * or two rows against the whole panel, measured slower.) */
 #ifndef KQ_ROWS
 #if VW == 16
 #define KQ_ROWS 6

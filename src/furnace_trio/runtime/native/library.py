@@ -108,16 +108,26 @@ def _cpu_identity() -> str:
 
 def tuning_flags_for(cpuinfo: str) -> tuple[str, ...]:
     """Switches beyond ``-march=native`` for the CPU ``cpuinfo`` (``/proc/cpuinfo``'s text)
-    describes: four rows a K-quant register block (``KQ_ROWS``, six by default on AVX-512)
-    on AMD's AVX-512. Zen 4 runs 512-bit instructions through 256-bit units; there four rows
-    measured 1.07x to 1.14x faster for Q4_K at 16 rows and Q6_K the same, where Intel's
-    AVX-512 cores measured six faster (docs/benchmarks.md)."""
+    describes, on AMD's AVX-512 (measured per CPU in docs/benchmarks.md):
+
+    - four rows a K-quant register block (``KQ_ROWS``, six by default on AVX-512). Zen 4
+      runs 512-bit instructions through 256-bit units; there four rows measured 1.07x to
+      1.14x faster for Q4_K at 16 rows and Q6_K the same, where Intel's AVX-512 cores
+      measured six faster;
+    - from Zen 5 on (family 26), whose units are 512 bits wide, those four rows against the
+      whole panel at once (``KQ_VECS=4``, a half by default): 1.06x to 1.5x at 16 rows.
+    """
     lines = cpuinfo.splitlines()
-    vendor = next((line for line in lines if line.startswith("vendor_id")), "")
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    if "AuthenticAMD" in vendor and "avx512f" in flags:
-        return ("-DKQ_ROWS=4",)
-    return ()
+
+    def field(name: str) -> str:
+        return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(name)), "")
+
+    if "AuthenticAMD" not in field("vendor_id") or "avx512f" not in field("flags").split():
+        return ()
+    family = field("cpu family")
+    if family.isdigit() and int(family) >= 26:
+        return ("-DKQ_ROWS=4", "-DKQ_VECS=4")
+    return ("-DKQ_ROWS=4",)
 
 
 def tuning_flags() -> tuple[str, ...]:
