@@ -309,8 +309,8 @@ static ALWAYS_INLINE int kq_run(const int type) {
  * exact: every cache line the share touches, in a loop whose count varies from quad to
  * quad; otherwise a fixed count, one a 64 bytes from the share's start, no branch (the
  * line it ends in is its successor's first). The passes of several rows, each register
- * block of a block prefetching again, take the fixed count: there the loop's branches
- * cost 1.4x to 1.6x at 16 rows of Q4_K (Zen 5; docs/benchmarks.md). */
+ * block of a block prefetching again, take the fixed count: 1.24x to 1.32x faster than the
+ * loop at 16 rows of Q4_K (Zen 5; docs/benchmarks.md). */
 static ALWAYS_INLINE void kq_prefetch_quad(const int type, const uint8_t *blk, const int j,
                                            const int64_t ahead, const int exact) {
     const int64_t step = kq_block_bytes(type) / (QK / 4);
@@ -326,13 +326,18 @@ static ALWAYS_INLINE void kq_prefetch_quad(const int type, const uint8_t *blk, c
 
 /* Quad j of a block against R rows into their runs: the first quad of a run starts them
  * (a Q6_K run from its rows' kq_q6_start: sums, row stride groups). The codes come
- * unpacked from pre (kq_unpack_first) or are unpacked here. */
+ * unpacked from pre (kq_unpack_first) or are unpacked here. With pre, next (the first
+ * pass over the block: its first register block and code vector) prefetches quad j's
+ * share of the block after it, so the next block's lines come during this block's
+ * arithmetic rather than all at once in its unpacking (Q6_K at 16 rows 1.07x to 1.13x,
+ * AVX-512 on Zen 5; the AVX2 build the same there, docs/benchmarks.md). */
 static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, const int vm,
-                                  const uint8_t *blk, const vb *pre, const int j,
+                                  const int next, const uint8_t *blk, const vb *pre, const int j,
                                   const int8_t *a, int64_t K, const q8k_sums *sums,
                                   int64_t groups, vp part[][PV]) {
     vb wv[PV];
     if (pre) {
+        if (next) kq_prefetch_quad(type, blk, j, kq_block_bytes(type), 1);
 #pragma GCC unroll 4
         for (int v = 0; v < PV; v++)
             if (kq_in(v, vm)) {
@@ -372,7 +377,7 @@ static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, 
  * and Q5_K in pairs (vi_pack2, [4][PV], against the sums per 32). Q6_K's offset 32 is in
  * its runs (kq_q6_start), so Q6_K has no correction. */
 static ALWAYS_INLINE void kq_super_rows(const int type, const int R, const int vm,
-                                        const uint8_t *blk, const vb *pre, const vi *scv, const vi *cp,
+                                        const int next, const uint8_t *blk, const vb *pre, const vi *scv, const vi *cp,
                                         const int8_t *a,
                                         int64_t K, const q8k_sums *sums, int64_t groups,
                                         float *tot) {
@@ -387,18 +392,18 @@ static ALWAYS_INLINE void kq_super_rows(const int type, const int R, const int v
 #pragma GCC unroll 1
     for (int j0 = 0; j0 < QK / 4; j0 += run) {
         vp part[KQ_ROWS][PV];
-        kq_quad(type, 1, R, vm, blk, pre, j0, a, K, sums, groups, part);
+        kq_quad(type, 1, R, vm, next, blk, pre, j0, a, K, sums, groups, part);
         /* Several rows on AVX2: the run's quads as one straight stretch of code (no loop
          * branch between the multiplies). One row keeps the loop, which measured faster
          * there; AVX-512 (not measured unrolled) keeps it too. */
         if (R > 1 && VW == 8) {
 #pragma GCC unroll 8
             for (int j = j0 + 1; j < j0 + run; j++)
-                kq_quad(type, 0, R, vm, blk, pre, j, a, K, sums, groups, part);
+                kq_quad(type, 0, R, vm, next, blk, pre, j, a, K, sums, groups, part);
         } else {
 #pragma GCC unroll 1
             for (int j = j0 + 1; j < j0 + run; j++)
-                kq_quad(type, 0, R, vm, blk, pre, j, a, K, sums, groups, part);
+                kq_quad(type, 0, R, vm, next, blk, pre, j, a, K, sums, groups, part);
         }
         const vi *sc = scv + (j0 / quads) * PV;
 #pragma GCC unroll 8
@@ -498,7 +503,8 @@ static ALWAYS_INLINE void kq_super_pass(const int type, const int vm, const int8
         const q8k_sums *q = (const q8k_sums *)act + m0 * groups + g;
         switch (rows) {
 #define KQ_CASE(R)                                                                         \
-    case R: kq_super_rows(type, R, vm, blk, pre, scv, cp, am, K, q, groups, tm); break;
+    case R: kq_super_rows(type, R, vm, b == 0 && (vm & 1), blk, pre, scv, cp, am, K, q, groups, tm); \
+        break;
             KQ_CASE(1)
             KQ_CASE(2)
 #if KQ_ROWS > 2
@@ -533,13 +539,13 @@ static ALWAYS_INLINE void kq_panel(const int type, const int8_t *a, const void *
         if (kq_block_k(type) == QK) kq_block_scales(type, blk, scv, cp);
         if (kq_block_k(type) == QK) {
             if (M == 1) /* one row: all of the panel at once, the registers allow it */
-                kq_super_rows(type, 1, KQ_ALL, blk, NULL, scv, cp, a + g * QK, K,
+                kq_super_rows(type, 1, KQ_ALL, 1, blk, NULL, scv, cp, a + g * QK, K,
                               (const q8k_sums *)act + g, groups, tot);
             else
             {
                 const vb *codes = kq_unpack_first(type) ? pre : NULL;
                 for (int j = 0; codes && j < QK / 4; j++) {
-                    kq_prefetch_quad(type, blk, j, KQ_PREFETCH_BYTES, 1);
+                    if (g == 0) kq_prefetch_quad(type, blk, j, KQ_PREFETCH_BYTES, 1);
                     kq_codes(kq_extra(type), blk, j, pre + j * PV);
                 }
 #define KQ_PASS(vm) kq_super_pass(type, vm, a, act, M, K, g, blk, codes, scv, cp, tot)
