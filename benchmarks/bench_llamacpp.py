@@ -27,6 +27,8 @@ The servers start one after the other, each alone on the machine: the time until
 read at the end (``VmHWM`` of the server and its children). Before either starts, the
 memory's speed is measured (a float32 sum over 1 GiB, as ``bench_kquant.py``): with one
 stream, each server's ITL p50 is also given against the file's bytes read at that speed.
+The speed is measured again before each server's round (shared hosts' memory speed moves
+by the minute), and each round's one-stream ITL p50 is given against its own bound too.
 
 Every completion must report ``--max-tokens`` completion tokens (``usage``), so both
 servers did the same work; both servers' greedy answers to one prompt are printed.
@@ -119,6 +121,9 @@ class Server:
     model: str = ""
     results: dict[str, list[Result]] = field(default_factory=dict)
     load_s: float = 0.0
+    # GB/s of the float32 sum measured just before each of its rounds (the host's memory
+    # speed moves by the minute, so each round's one-stream ITL meets its own bound)
+    gbs: list[float] = field(default_factory=list)
     transports: list[RetryOnceTransport] = field(default_factory=list)
 
     def client(self) -> httpx.AsyncClient:
@@ -193,15 +198,31 @@ def report(furnace: Server, llama: Server, gguf: Path, memory_gbs: float) -> Non
         )
     if "1" in furnace.results:
         # issue 28's bound: the file's bytes read once a token at the measured bandwidth
-        bound_ms = gguf.stat().st_size / (memory_gbs * 1e9) * 1e3
+        size = gguf.stat().st_size
+        bound_ms = size / (memory_gbs * 1e9) * 1e3
         parts = []
         for server in (furnace, llama):
             itl = pct([x for r in server.results["1"] for x in r.itl], 50) * 1e3
             parts.append(f"{server.name} {itl:.1f} ms ({bound_ms / itl:.0%} of the bound)")
         print(
-            f"\nOne stream against the memory bound: {gguf.stat().st_size / 1e6:.0f} MB at "
+            f"\nOne stream against the memory bound: {size / 1e6:.0f} MB at "
             f"{memory_gbs:.1f} GB/s (a float32 sum, before the servers started) is "
             f"{bound_ms:.1f} ms a token; ITL p50 {', '.join(parts)}"
+        )
+        parts = []
+        for server in (furnace, llama):
+            shares = sorted(
+                size / (gbs * 1e9) / (pct(result.itl, 50))
+                for gbs, result in zip(server.gbs, server.results["1"], strict=True)
+            )
+            gbs = ", ".join(f"{g:.1f}" for g in server.gbs)
+            parts.append(
+                f"{server.name} {statistics.median(shares):.0%} [{shares[0]:.0%}, "
+                f"{shares[-1]:.0%}] (GB/s {gbs})"
+            )
+        print(
+            "Each round's one-stream ITL p50 against the bound at the bandwidth measured just "
+            f"before that round: {'; '.join(parts)}"
         )
     ours_ttft = [r.ttft[0] for r in furnace.results["prefill"]]
     theirs_ttft = [r.ttft[0] for r in llama.results["prefill"]]
@@ -284,6 +305,7 @@ def main() -> None:
             server.results.clear()
         for r in range(rounds):
             for server in servers if r % 2 == 0 else servers[::-1]:
+                server.gbs.append(bandwidth(3)[0])
                 start = time.perf_counter()
                 asyncio.run(one_round(server, r, workloads, max_tokens))
                 print(f"round {r + 1}/{rounds}: {server.name} {time.perf_counter() - start:.1f} s")
