@@ -351,7 +351,8 @@ class ServerConfig:
             Setting(
                 "FURNACE_NATIVE_FLAGS",
                 "Extra compiler flags (shell words) for the native kernels, after "
-                "`-O3 -march=native` and this CPU's tuning (`-DKQ_ROWS=4` on AMD's AVX-512): "
+                "`-O3 -march=native` and this CPU's tuning (`-DKQ_ROWS=4` on AMD's AVX-512, "
+                "with `-DKQ_VECS=4` from Zen 5 on): "
                 "`-mno-avx512f -mno-avxvnni` builds the AVX2 kernels on an AVX-512 CPU, as an "
                 "AMD Zen 3 runs them (what `benchmarks/bench_llamacpp.py --isa avx2` compares); "
                 "each set of flags is built once and cached.",
