@@ -329,7 +329,7 @@ static ALWAYS_INLINE void kq_prefetch_quad(const int type, const uint8_t *blk, c
  * unpacked from pre (kq_unpack_first) or are unpacked here. With pre, next (the first
  * pass over the block: its first register block and code vector) prefetches quad j's
  * share of the block after it, so the next block's lines come during this block's
- * arithmetic rather than all at once in its unpacking (Q6_K at 16 rows 1.07x to 1.13x,
+ * arithmetic rather than all at once in its unpacking (Q6_K at 16 rows 1.06x to 1.13x,
  * AVX-512 on Zen 5; the AVX2 build the same there, docs/benchmarks.md). */
 static ALWAYS_INLINE void kq_quad(const int type, const int first, const int R, const int vm,
                                   const int next, const uint8_t *blk, const vb *pre, const int j,
