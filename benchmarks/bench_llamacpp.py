@@ -212,13 +212,13 @@ def report(furnace: Server, llama: Server, gguf: Path, memory_gbs: float) -> Non
         parts = []
         for server in (furnace, llama):
             shares = sorted(
-                size / (gbs * 1e9) / (pct(result.itl, 50))
-                for gbs, result in zip(server.gbs, server.results["1"], strict=True)
+                size / (speed * 1e9) / pct(result.itl, 50)
+                for speed, result in zip(server.gbs, server.results["1"], strict=True)
             )
-            gbs = ", ".join(f"{g:.1f}" for g in server.gbs)
+            speeds = ", ".join(f"{speed:.1f}" for speed in server.gbs)
             parts.append(
                 f"{server.name} {statistics.median(shares):.0%} [{shares[0]:.0%}, "
-                f"{shares[-1]:.0%}] (GB/s {gbs})"
+                f"{shares[-1]:.0%}] (GB/s {speeds})"
             )
         print(
             "Each round's one-stream ITL p50 against the bound at the bandwidth measured just "
